@@ -1,0 +1,30 @@
+"""Changes to vLLM's behaviour that no plugin hook allows: one small module each.
+
+Each patch checks that its target still has the shape it was written against and raises
+``PatchTargetChanged`` otherwise, so a vLLM upgrade fails loudly at start-up instead of
+misbehaving. ``apply_all`` is idempotent (vLLM loads plugins several times per process).
+"""
+
+from vllm_shadowkv.patches import cpu_backend_selection, startup_validation
+
+PATCHES = (cpu_backend_selection, startup_validation)
+
+
+class PatchTargetChanged(RuntimeError):
+    """A patched vLLM function is not the one this patch was written for."""
+
+
+def apply_all() -> None:
+    for patch in PATCHES:
+        patch.apply()
+
+
+def check_signature(func, expected: list[str], where: str) -> None:
+    import inspect
+
+    params = [p for p in inspect.signature(func).parameters if p != "cls"]
+    if params != expected:
+        raise PatchTargetChanged(
+            f"vllm-shadowkv cannot patch {where}: its parameters are {params}, this plugin was "
+            f"written for {expected}. The installed vLLM is not a supported version."
+        )

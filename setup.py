@@ -1,0 +1,36 @@
+"""vllm-shadowkv: KV-cache compression and offloading attention backends for vLLM."""
+
+from setuptools import setup
+
+# `triton_kernels/` and `patches/` are top-level folders in the repository but install under
+# the package: a top-level module named `triton_kernels` would be taken by vLLM for OpenAI's MoE
+# kernel library (`vllm.utils.import_utils.has_triton_kernels`).
+PACKAGES = {
+    "vllm_shadowkv": "vllm_shadowkv",
+    "vllm_shadowkv.backend": "vllm_shadowkv/backend",
+    "vllm_shadowkv.core": "vllm_shadowkv/core",
+    "vllm_shadowkv.eval": "vllm_shadowkv/eval",
+    "vllm_shadowkv.triton_kernels": "triton_kernels",
+    "vllm_shadowkv.patches": "patches",
+}
+
+setup(
+    name="vllm-shadowkv",
+    version="0.1.0",
+    description="ShadowKV sparse attention with a CPU value store, as a vLLM attention backend",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=list(PACKAGES),
+    package_dir=PACKAGES,
+    package_data={"vllm_shadowkv.eval": ["fixtures/**/*"]},
+    install_requires=["torch", "tqdm"],
+    extras_require={
+        "test": ["pytest", "pytest-timeout", "requests", "openai"],
+        "bench": ["matplotlib"],
+    },
+    entry_points={
+        "vllm.general_plugins": ["shadowkv = vllm_shadowkv.plugin:register"],
+        "console_scripts": ["shadowkv-build-models = vllm_shadowkv.models:main"],
+    },
+)
