@@ -1,0 +1,56 @@
+"""Shared by the engine tests: run vLLM in a fresh process and compare greedy outputs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+GENERATE_SCRIPT = Path(__file__).parent / "integration" / "generate.py"
+# Deterministic prompts of very different lengths (byte tokenizer: one token per byte).
+PROMPTS = [
+    "Hello, my name is",
+    "The quick brown fox jumps over the lazy dog. " * 6,
+    "In a hole in the ground there lived a hobbit. Not a nasty, dirty, wet hole. " * 20,
+    "0123456789" * 3,
+]
+
+
+def engine_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    env.pop("TRITON_INTERPRET", None)  # the engine's CPU path must not see the interpreter
+    return env
+
+
+def generate_in_fresh_process(request: dict, tmp_path: Path, timeout: float = 600) -> dict:
+    """Run tests/integration/generate.py in a new interpreter; return its JSON result."""
+    spec, out = tmp_path / "request.json", tmp_path / "result.json"
+    spec.write_text(json.dumps(request))
+    proc = subprocess.run(
+        [sys.executable, str(GENERATE_SCRIPT), str(spec), str(out)],
+        env=engine_env(), cwd=tmp_path, capture_output=True, text=True, timeout=timeout,
+    )
+    if proc.returncode != 0:
+        raise AssertionError(f"generate.py failed ({proc.returncode}):\n{proc.stderr[-6000:]}")
+    return json.loads(out.read_text())
+
+
+def assert_greedy_close(ref: list[dict], test: list[dict], names=("ref", "test"), tol=0.15):
+    """vLLM's ``check_logprobs_close``: tokens equal, or at the first difference each side's
+    token is in the other's top logprobs and the two are a near-tie on both sides."""
+    assert len(ref) == len(test)
+    for i, (a, b) in enumerate(zip(ref, test)):
+        for pos, (ta, tb) in enumerate(zip(a["token_ids"], b["token_ids"])):
+            if ta == tb:
+                continue
+            la, lb = a["logprobs"][pos], b["logprobs"][pos]
+            where = f"prompt {i}, token {pos}: {names[0]} chose {ta}, {names[1]} chose {tb}"
+            assert str(tb) in la and str(ta) in lb, f"{where}; not in each other's top logprobs"
+            assert abs(la[str(ta)] - la[str(tb)]) < tol, f"{where}; not a near-tie in {names[0]}"
+            assert abs(lb[str(ta)] - lb[str(tb)]) < tol, f"{where}; not a near-tie in {names[1]}"
+            break  # past a near-tie the sequences legitimately diverge
+        else:
+            assert len(a["token_ids"]) == len(b["token_ids"]), f"prompt {i}: lengths differ"

@@ -1,0 +1,40 @@
+"""Build a vLLM engine in this (fresh) process, generate greedily, write JSON.
+
+usage: generate.py REQUEST.json RESULT.json
+REQUEST: {"model", "attention_backend" (or null), "batches": [[prompt, ...], ...],
+          "max_tokens", "engine_kwargs": {...}}
+RESULT:  {"backends": {layer: backend name}, "batches": [[{"token_ids", "logprobs"}, ...], ...]}
+"""
+
+import json
+import sys
+
+if __name__ == "__main__":  # vLLM spawns its engine core: keep the entry point guarded
+    from vllm import LLM, SamplingParams
+
+    from vllm_shadowkv.introspect import EXTENSION_CLASS
+
+    request = json.loads(open(sys.argv[1]).read())
+    llm = LLM(
+        model=request["model"],
+        attention_backend=request.get("attention_backend"),
+        worker_extension_cls=EXTENSION_CLASS,
+        enforce_eager=True,
+        seed=0,
+        **request.get("engine_kwargs", {}),
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=request.get("max_tokens", 16), logprobs=5)
+    result = {"backends": llm.collective_rpc("shadowkv_attention_backends")[0], "batches": []}
+    for prompts in request["batches"]:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        result["batches"].append([
+            {
+                "token_ids": list(o.outputs[0].token_ids),
+                "logprobs": [
+                    {str(tok): lp.logprob for tok, lp in step.items()}
+                    for step in o.outputs[0].logprobs
+                ],
+            }
+            for o in outputs
+        ])
+    open(sys.argv[2], "w").write(json.dumps(result))

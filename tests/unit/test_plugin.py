@@ -1,0 +1,93 @@
+"""Plugin load, registration, patches and the packaging guard."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from vllm_shadowkv import plugin
+from vllm_shadowkv.patches import PatchTargetChanged, check_signature
+
+
+def test_unsupported_vllm_version_is_refused():
+    plugin.check_vllm_version("0.32.3")
+    for version in ("0.31.2", "0.33.0", "1.0.0"):
+        with pytest.raises(RuntimeError, match=r"supports vLLM 0\.32\.x \(>=0\.32\.0,<0\.33\).*"
+                                               + version.replace(".", r"\.")):
+            plugin.check_vllm_version(version)
+
+
+def test_register_is_idempotent_and_aliases_custom():
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    plugin.register()
+    plugin.register()
+    assert AttentionBackendEnum["SHADOWKV"] is AttentionBackendEnum.CUSTOM
+    assert AttentionBackendEnum.CUSTOM.get_path() == plugin.BACKEND_CLASS_PATH
+    assert AttentionBackendEnum.CUSTOM.get_class().get_name() == "SHADOWKV"
+
+
+def test_alias_survives_the_trip_to_a_fresh_process():
+    """What the spawned engine core does: unpickle before loading plugins, then load them."""
+    import pickle
+
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    plugin.register()
+    payload = pickle.dumps(AttentionBackendEnum["SHADOWKV"]).hex()
+    code = (
+        "import pickle\n"
+        f"backend = pickle.loads(bytes.fromhex('{payload}'))\n"
+        "from vllm.plugins import load_general_plugins\n"
+        "load_general_plugins()\n"
+        "print(backend.name, backend.get_class().get_name())\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split()[-2:] == ["CUSTOM", "SHADOWKV"]
+
+
+def test_cpu_selection_patch_honours_shadowkv_only():
+    from vllm.platforms.cpu import CpuPlatform
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+    from vllm.v1.attention.selector import AttentionSelectorConfig
+    import torch
+
+    plugin.register()
+    config = AttentionSelectorConfig(head_size=64, dtype=torch.bfloat16, kv_cache_dtype="auto",
+                                     block_size=128)
+    pick = CpuPlatform.get_attn_backend_cls
+    assert pick(AttentionBackendEnum.CUSTOM, config) == plugin.BACKEND_CLASS_PATH
+    assert pick(None, config) == AttentionBackendEnum.CPU_ATTN.get_path()
+    with pytest.raises(ValueError, match="cannot serve this layer: attention type"):
+        pick(AttentionBackendEnum.CUSTOM, config._replace(attn_type="encoder_only"))
+
+
+def test_patch_targets_are_checked():
+    def moved(cls, selected_backend, attn_selector_config, num_heads, extra):
+        pass
+
+    with pytest.raises(PatchTargetChanged, match="not a supported version"):
+        check_signature(moved, ["selected_backend", "attn_selector_config", "num_heads"], "x")
+
+
+def test_patches_are_installed_on_the_live_vllm():
+    from vllm.platforms import current_platform
+    from vllm.platforms.cpu import CpuPlatform
+
+    plugin.register()
+    assert CpuPlatform.get_attn_backend_cls.__func__._shadowkv_original is not None
+    assert type(current_platform).check_and_update_config.__func__._shadowkv_original is not None
+
+
+def test_triton_kernels_is_not_a_top_level_module(tmp_path):
+    """vLLM takes an importable `triton_kernels` for OpenAI's MoE kernels: ours must not be."""
+    code = (
+        "import importlib.util, vllm_shadowkv.triton_kernels\n"
+        "from vllm.utils.import_utils import has_triton_kernels\n"
+        "print(importlib.util.find_spec('triton_kernels'), has_triton_kernels())\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, check=True)
+    assert out.stdout.split()[-2:] == ["None", "False"]
