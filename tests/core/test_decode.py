@@ -1,0 +1,114 @@
+"""Sparse decode: the slot policy, and exactness when nothing is approximated."""
+
+import pytest
+import torch
+
+from vllm_shadowkv.core import ops
+from vllm_shadowkv.core.attention import attention_with_lse, merge_attention
+from vllm_shadowkv.core.compress import compress_prompts
+from vllm_shadowkv.core.decode import DecodeBatch, decode_step
+from vllm_shadowkv.core.params import ShadowKVParams
+from vllm_shadowkv.core.rope import apply_rope
+from vllm_shadowkv.core.select import assign_slots
+from vllm_shadowkv.core.store import InMemoryValueStore
+
+from core_dense import dense_attention
+from core_rope_util import default_rope
+
+
+def test_assign_slots_keeps_hits_in_place():
+    resident = torch.tensor([[[5, 9, -1, 2]]], dtype=torch.int32)
+    selected = torch.tensor([[[2, 7, 5, 8]]], dtype=torch.int32)
+    slots, miss_slots, miss_count = assign_slots(resident, selected)
+    assert slots.tolist() == [[[5, 7, 8, 2]]]  # 5 and 2 stay; 7, 8 take slots 1, 2 in order
+    assert miss_count.tolist() == [[2]] and miss_slots.tolist() == [[[1, 2, -1, -1]]]
+    # Fewer selected than slots: evicted slots are emptied, not left stale.
+    slots, miss_slots, miss_count = assign_slots(slots, torch.tensor([[[8, 3, -1, -1]]],
+                                                                     dtype=torch.int32))
+    assert slots.tolist() == [[[3, -1, 8, -1]]] and miss_count.tolist() == [[1]]
+    assert miss_slots[0, 0, 0] == 0
+
+
+def test_merge_of_split_key_sets_is_attention_over_their_union():
+    q, k, v = torch.randn(2, 3, 8, 16), torch.randn(2, 2, 40, 16), torch.randn(2, 2, 40, 16)
+    full = attention_with_lse(q, k, v, None, 0.25)
+    parts = [attention_with_lse(q, k[:, :, s], v[:, :, s], None, 0.25)
+             for s in (slice(0, 13), slice(13, 40))]
+    empty = attention_with_lse(q, k, v, torch.zeros(1, 1, 1, 40, dtype=torch.bool), 0.25)
+    assert torch.isinf(empty[1]).all() and (empty[0] == 0).all()
+    out, lse = merge_attention([p[0] for p in parts] + [empty[0]], [p[1] for p in parts] + [empty[1]])
+    torch.testing.assert_close(out, full[0])
+    torch.testing.assert_close(lse, full[1])
+
+
+def _batch_inputs(lengths, h_kv, group, d, seed):
+    torch.manual_seed(seed)
+    rope = default_rope(d, 4096)
+    pos = [torch.arange(n) for n in lengths]
+    keys = [apply_rope(torch.randn(n, h_kv, d), p, rope) for n, p in zip(lengths, pos)]
+    values = [torch.randn(n, h_kv, d) for n in lengths]
+    return rope, keys, values, pos
+
+
+@pytest.mark.parametrize("group,s_q", [(1, 1), (4, 2), (8, 1)])
+def test_full_rank_full_budget_is_dense_attention(group, s_q):
+    h_kv, d = 2, 16
+    lengths = [301, 130, 40]  # ragged; the last stays exact (below min_compress_tokens)
+    rope, keys, values, pos = _batch_inputs(lengths, h_kv, group, d, seed=group)
+    params = ShadowKVParams(rank=h_kv * d, chunk_size=8, sparse_budget=8 * 64, outlier_chunks=2,
+                            local_chunks=2, min_compress_tokens=100)
+    store = InMemoryValueStore()
+    keys_ids = ["a", "b", "c"]
+    cu = [0] + torch.tensor(lengths).cumsum(0).tolist()
+    prompts = compress_prompts(torch.cat(keys), torch.cat(values), torch.cat(pos), cu, rope,
+                               params, store, keys_ids)
+    batch = DecodeBatch.build(prompts, keys_ids, rope, params, gen_capacity=2)
+    for step in range(3):  # the generated region grows past its capacity
+        q = torch.randn(3, s_q, h_kv * group, d)
+        new_pos = [torch.arange(n + step * s_q, n + (step + 1) * s_q) for n in lengths]
+        k_new = torch.stack([apply_rope(torch.randn(s_q, h_kv, d), p, rope) for p in new_pos])
+        v_new = torch.randn(3, s_q, h_kv, d)
+        out, lse = decode_step(batch, q, k_new, v_new, store)
+        for i in range(3):
+            keys[i], values[i] = torch.cat((keys[i], k_new[i])), torch.cat((values[i], v_new[i]))
+            torch.testing.assert_close(out[i], dense_attention(q[i], keys[i], values[i]),
+                                       atol=2e-5, rtol=2e-5)
+    assert int(batch.lm_count.max()) <= params.select_chunks  # the budget covers every chunk
+
+
+def _slots_by_chunk(batch, c):
+    chunks, order = batch.slot_chunks.sort(dim=-1)
+    rows = (order.long().unsqueeze(-1) * c + torch.arange(c)).flatten(2)
+    pick = lambda t: t.gather(2, rows.unsqueeze(-1).expand(-1, -1, -1, t.shape[-1]))  # noqa: E731
+    return chunks, pick(batch.slot_k), pick(batch.slot_v)
+
+
+def test_triton_path_matches_torch_path():
+    """The whole decode step through the interpreted kernels, bf16, at a budget below the
+    context so selection, hits and misses all happen."""
+    h_kv, group, d = 2, 4, 64
+    lengths = [520, 300]
+    rope, keys, values, pos = _batch_inputs(lengths, h_kv, group, d, seed=7)
+    keys = [k.bfloat16() for k in keys]
+    values = [v.bfloat16() for v in values]
+    params = ShadowKVParams(rank=32, chunk_size=8, sparse_budget=64, outlier_chunks=2,
+                            local_chunks=2, min_compress_tokens=100)
+    ids = ["a", "b"]
+    cu = [0] + torch.tensor(lengths).cumsum(0).tolist()
+    store = InMemoryValueStore()
+    prompts = compress_prompts(torch.cat(keys), torch.cat(values), torch.cat(pos), cu, rope,
+                               params, store, ids)
+    batches = [DecodeBatch.build(prompts, ids, rope, params) for _ in range(2)]
+    for step in range(2):
+        q = torch.randn(2, 1, h_kv * group, d).bfloat16()
+        k_new, v_new = torch.randn(2, 1, h_kv, d).bfloat16(), torch.randn(2, 1, h_kv, d).bfloat16()
+        ref = decode_step(batches[0], q, k_new, v_new, store)
+        with ops.force_triton():
+            got = decode_step(batches[1], q, k_new, v_new, store)
+        # Selections are sets (slot order may differ): compare slot contents chunk by chunk.
+        by_chunk = [_slots_by_chunk(b, params.chunk_size) for b in batches]
+        assert torch.equal(by_chunk[0][0], by_chunk[1][0])
+        torch.testing.assert_close(by_chunk[1][1], by_chunk[0][1], atol=2e-2, rtol=2e-2)
+        assert torch.equal(by_chunk[1][2], by_chunk[0][2])
+        torch.testing.assert_close(got[0], ref[0], atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(got[1], ref[1], atol=1e-3, rtol=1e-3)

@@ -1,0 +1,148 @@
+"""Every Triton kernel against its torch reference (interpreted on the CPU, see conftest.py):
+ragged lengths (including empty requests), GQA groups 1/4/8, head_dim 64/128, bf16/fp32,
+non-contiguous inputs, fresh random inputs each test."""
+
+import pytest
+import torch
+
+from vllm_shadowkv.core import ops, reconstruct, select
+from vllm_shadowkv.core.rope import RopeCache
+from vllm_shadowkv.triton_kernels import rebuild_kernels, select_kernels
+
+from core_rope_util import default_rope
+
+GRID = [(g, d, dt) for g in (1, 4, 8) for d in (64, 128) for dt in (torch.float32, torch.bfloat16)]
+COUNTS = [37, 300, 0, 129]  # irregular, one request without landmarks
+
+
+def _tol(dtype):
+    return dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+
+
+def _ragged_pool(counts, h_kv, width, dtype, device, gap=3):
+    """Pool [NL, h_kv, width] (non-contiguous) with per-request starts, gaps between requests."""
+    starts, pos = [], 0
+    for n in counts:
+        starts.append(pos)
+        pos += n + gap
+    pool = torch.randn(width, pos, h_kv, dtype=torch.float32, device=device).to(dtype).permute(1, 2, 0)
+    as_i32 = lambda xs: torch.tensor(xs, dtype=torch.int32, device=device)  # noqa: E731
+    return pool, as_i32(starts), as_i32(counts)
+
+
+@pytest.mark.parametrize("group,head_dim,dtype", GRID)
+def test_landmark_scores(group, head_dim, dtype, kernel_device):
+    h_kv, s_q = 2, 2
+    landmarks, starts, counts = _ragged_pool(COUNTS, h_kv, head_dim, dtype, kernel_device)
+    q = torch.randn(len(COUNTS), h_kv * group, s_q, head_dim, device=kernel_device).to(dtype)
+    q = q.transpose(1, 2)  # [B, s_q, h_q, d], non-contiguous
+    scale = head_dim ** -0.5
+    got = select_kernels.landmark_scores(q, landmarks, starts, counts, max(COUNTS), scale)
+    want = select.landmark_scores(q, landmarks, starts, counts, max(COUNTS), scale)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+
+
+def _check_selection(got, scores, counts, k):
+    for b, n in enumerate(counts.tolist()):
+        take = min(k, n)
+        assert (got[b, :, take:] == -1).all()
+        for h in range(got.shape[1]):
+            ids = got[b, h, :take].long()
+            assert len(set(ids.tolist())) == take and (ids >= 0).all() and (ids < n).all()
+            best = torch.topk(scores[b, h, :n], take).values
+            torch.testing.assert_close(scores[b, h, ids].sort().values, best.sort().values)
+
+
+@pytest.mark.parametrize("k", [1, 16, 64])
+@pytest.mark.parametrize("ties", [False, True])
+def test_select_chunks(k, ties, kernel_device):
+    h_kv, max_n = 3, max(COUNTS)
+    counts = torch.tensor(COUNTS, dtype=torch.int32, device=kernel_device)
+    starts = torch.arange(len(COUNTS), dtype=torch.int32, device=kernel_device) * max_n
+    if ties:  # many equal scores (softmax underflow gives exact zeros in long contexts)
+        scores = torch.randint(0, 3, (len(COUNTS), max_n, h_kv), device=kernel_device).float() / 4
+    else:
+        scores = torch.rand(len(COUNTS), max_n, h_kv, device=kernel_device)
+    scores = scores.transpose(1, 2)  # [B, h_kv, N], non-contiguous
+    scores = torch.where(torch.arange(max_n, device=kernel_device) < counts.view(-1, 1, 1),
+                         scores, -1.0)
+    # Chunk id = landmark index within its request, so ids index `scores` directly.
+    chunks = (torch.arange(max_n, device=kernel_device).repeat(len(COUNTS)).view(-1, 1)
+              .expand(-1, h_kv).to(torch.int32))
+    got = select_kernels.select_chunks(scores, chunks, starts, counts, k)
+    want = select.select_chunks(scores, chunks, starts, counts, k)
+    _check_selection(got, scores, counts, k)
+    _check_selection(want, scores, counts, k)
+
+
+def _miss_setup(batch, h_kv, k, n_chunks, device):
+    """Random resident chunks (distinct per row) and a ragged miss list per (request, head)."""
+    slot_chunks = torch.stack([torch.stack([torch.randperm(n_chunks[b])[:k] for _ in range(h_kv)])
+                               for b in range(batch)]).to(torch.int32)
+    miss_count = torch.randint(0, k + 1, (batch, h_kv), dtype=torch.int32)
+    miss_count[0, 0], miss_count[-1, -1] = 0, k
+    miss_slots = torch.stack([torch.stack([torch.randperm(k) for _ in range(h_kv)])
+                              for _ in range(batch)]).to(torch.int32)
+    miss_slots = torch.where(torch.arange(k) < miss_count.unsqueeze(-1), miss_slots, -1)
+    return [t.to(device) for t in (slot_chunks, miss_slots, miss_count)]
+
+
+ROPES = {"neox": dict(neox=True), "gptj": dict(neox=False), "partial": dict(rotary_frac=0.5)}
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rope_kind", list(ROPES))
+def test_rebuild_keys(head_dim, dtype, rope_kind, kernel_device):
+    # The GQA group does not enter this kernel (keys are per KV head).
+    batch, h_kv, k, c, rank = 3, 2, 6, 8, 40
+    n_chunks = [9, 20, 6]
+    conf = ROPES[rope_kind]
+    rotary = int(head_dim * conf.get("rotary_frac", 1.0))
+    rope = default_rope(head_dim, 4096, rotary, neox=conf.get("neox", True))
+    rope = RopeCache(rope.cos_sin_cache.to(kernel_device, dtype), rotary, rope.is_neox_style)
+    a_counts = [n * c for n in n_chunks]
+    a = torch.randn(rank, sum(a_counts) + 5, device=kernel_device).to(dtype).T  # column-major
+    a_positions = torch.randint(0, 4096, (a.shape[0],), dtype=torch.int32, device=kernel_device)
+    a_start = torch.tensor([0, a_counts[0] + 2, a_counts[0] + a_counts[1] + 5],
+                           dtype=torch.int32, device=kernel_device)
+    b = torch.randn(batch, h_kv, head_dim, rank, device=kernel_device).to(dtype).transpose(-1, -2)
+    slot_chunks, miss_slots, miss_count = _miss_setup(batch, h_kv, k, n_chunks, kernel_device)
+    base = torch.randn(batch, k * c, h_kv, head_dim, device=kernel_device).to(dtype).transpose(1, 2)
+    got, want = base.clone(), base.clone()
+    args = (a, a_positions, a_start, b, slot_chunks, miss_slots, miss_count, rope)
+    rebuild_kernels.rebuild_keys(*args, got)
+    reconstruct.rebuild_keys(*args, want)
+    torch.testing.assert_close(got, want, **_tol(dtype))
+    written = torch.zeros(batch, h_kv, k + 1, dtype=torch.bool, device=kernel_device)
+    written.scatter_(-1, torch.where(miss_slots >= 0, miss_slots, k).long(), True)
+    stale = (~written[..., :k]).repeat_interleave(c, dim=-1)
+    assert torch.equal(got[stale], base[stale])  # slots that did not miss are left alone
+
+
+@pytest.mark.parametrize("head_dim,dtype", [(64, torch.float32), (128, torch.bfloat16)])
+def test_scatter_values(head_dim, dtype, kernel_device):
+    batch, h_kv, k, c = 3, 4, 7, 8
+    _, miss_slots, miss_count = _miss_setup(batch, h_kv, k, [k, k, k], kernel_device)
+    flat = miss_count.flatten()
+    staging_start = (flat.cumsum(0) - flat).view_as(miss_count).to(torch.int32)
+    staging = torch.randn(head_dim, int(flat.sum()), c, device=kernel_device).to(dtype).permute(1, 2, 0)
+    base = torch.randn(batch, h_kv, k * c, head_dim, device=kernel_device).to(dtype)
+    got, want = base.clone(), base.clone()
+    rebuild_kernels.scatter_values(staging, staging_start, miss_slots, miss_count, got)
+    reconstruct.scatter_values(staging, staging_start, miss_slots, miss_count, want)
+    assert torch.equal(got, want)
+
+
+def test_dispatch_routes_to_kernels(monkeypatch):
+    calls = []
+    real = select_kernels.landmark_scores
+    monkeypatch.setattr(select_kernels, "landmark_scores",
+                        lambda *a: calls.append(1) or real(*a))
+    q = torch.randn(1, 1, 4, 64)
+    landmarks, starts, counts = _ragged_pool([5], 1, 64, torch.float32, "cpu")
+    ops.landmark_scores(q, landmarks, starts, counts, 5, 0.125)
+    assert not calls  # CPU tensors take the torch path
+    with ops.force_triton():
+        ops.landmark_scores(q, landmarks, starts, counts, 5, 0.125)
+    assert calls

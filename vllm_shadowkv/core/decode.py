@@ -1,0 +1,179 @@
+"""Sparse decode of one layer for a ragged batch of compressed requests.
+
+`DecodeBatch` holds the GPU-side state of a fixed set of requests, built once from their
+`CompressedPrompt`s (plan once, step many times, as FlashInfer's plan/run split): the growing
+pools (A rows, landmarks) are packed with per-request start/count; the fixed-size parts are
+padded [B, h_kv, ...] tensors. Each `decode_step`:
+  1. appends the step's keys/values to the exact generated-token region;
+  2. scores the landmarks, takes the top-k chunks per KV head (k = sparse_budget // chunk_size,
+     at most the request's landmark count);
+  3. keeps hits in their slots, gives misses the freed slots (`assign_slots`);
+  4. rebuilds the missed keys (A rows x B, RoPE at their true positions) and copies the missed
+     values from the value store;
+  5. attends exactly the exact region (outliers + local window), the slots and the generated
+     tokens, merging the three by log-sum-exp.
+Slots start empty: the first step rebuilds every selected chunk (the authors' accuracy path; the
+efficient path primes them with exact prefill keys).
+"""
+
+import math
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from . import ops
+from .attention import attention_with_lse, merge_attention
+from .compress import CompressedPrompt
+from .params import ShadowKVParams
+from .rope import RopeCache
+from .select import assign_slots
+from .store import ValueStore
+
+
+def _pad_stack(tensors: Sequence[torch.Tensor], dim: int) -> torch.Tensor:
+    """Stack [h, n_i, d] tensors into [B, h, max n_i, d], zero padded along `dim` (of each)."""
+    width = max(t.shape[dim] for t in tensors)
+    padded = []
+    for t in tensors:
+        pad = [0, 0] * (t.dim() - 1 - dim) + [0, width - t.shape[dim]]
+        padded.append(torch.nn.functional.pad(t, pad))
+    return torch.stack(padded)
+
+
+def _starts(counts: list[int], device) -> torch.Tensor:
+    return torch.tensor([0] + counts[:-1], device=device).cumsum(0).to(torch.int32)
+
+
+@dataclass
+class DecodeBatch:
+    params: ShadowKVParams
+    rope: RopeCache
+    store_keys: list[Hashable]
+    a: torch.Tensor  # [TA, r]
+    a_positions: torch.Tensor  # [TA] int32
+    a_start: torch.Tensor  # [B] int32
+    b: torch.Tensor  # [B, h_kv, r, d]
+    landmarks: torch.Tensor  # [NL, h_kv, d]
+    landmark_chunks: torch.Tensor  # [NL, h_kv] int32
+    lm_start: torch.Tensor  # [B] int32
+    lm_count: torch.Tensor  # [B] int32
+    max_landmarks: int
+    exact_k: torch.Tensor  # [B, h_kv, E, d] outliers + local window
+    exact_v: torch.Tensor
+    exact_len: torch.Tensor  # [B]
+    slot_chunks: torch.Tensor  # [B, h_kv, k] int32, -1 = empty
+    slot_k: torch.Tensor  # [B, h_kv, k*c, d]
+    slot_v: torch.Tensor
+    gen_k: torch.Tensor  # [B, h_kv, capacity, d]
+    gen_v: torch.Tensor
+    gen_len: torch.Tensor  # [B] int64
+
+    @classmethod
+    def build(cls, prompts: Sequence[CompressedPrompt], store_keys: Sequence[Hashable],
+              rope: RopeCache, params: ShadowKVParams, gen_capacity: int = 64) -> "DecodeBatch":
+        first = prompts[0]
+        device, dtype = first.exact_k.device, first.exact_k.dtype
+        batch, (h_kv, _, head_dim) = len(prompts), first.exact_k.shape
+        k, c = params.select_chunks, params.chunk_size
+        lm_counts = [p.landmarks.shape[0] for p in prompts]
+        a_counts = [p.compressed_tokens for p in prompts]
+
+        def slots(width: int) -> torch.Tensor:
+            return torch.zeros(batch, h_kv, width, head_dim, dtype=dtype, device=device)
+
+        return cls(
+            params=params, rope=rope.to(device), store_keys=list(store_keys),
+            a=torch.cat([p.a for p in prompts]),
+            a_positions=torch.cat([p.a_positions for p in prompts]),
+            a_start=_starts(a_counts, device),
+            b=torch.stack([p.b for p in prompts]),
+            landmarks=torch.cat([p.landmarks for p in prompts]),
+            landmark_chunks=torch.cat([p.landmark_chunks for p in prompts]),
+            lm_start=_starts(lm_counts, device),
+            lm_count=torch.tensor(lm_counts, dtype=torch.int32, device=device),
+            max_landmarks=max(lm_counts),
+            exact_k=_pad_stack([p.exact_k for p in prompts], 1),
+            exact_v=_pad_stack([p.exact_v for p in prompts], 1),
+            exact_len=torch.tensor([p.exact_k.shape[1] for p in prompts], device=device),
+            slot_chunks=torch.full((batch, h_kv, k), -1, dtype=torch.int32, device=device),
+            slot_k=slots(k * c), slot_v=slots(k * c),
+            gen_k=slots(gen_capacity), gen_v=slots(gen_capacity),
+            gen_len=torch.zeros(batch, dtype=torch.int64, device=device),
+        )
+
+    def _append_generated(self, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
+        s_q = k_new.shape[1]
+        needed = int(self.gen_len.max()) + s_q
+        if needed > self.gen_k.shape[2]:
+            grow = max(needed, 2 * self.gen_k.shape[2]) - self.gen_k.shape[2]
+            self.gen_k = torch.nn.functional.pad(self.gen_k, (0, 0, 0, grow))
+            self.gen_v = torch.nn.functional.pad(self.gen_v, (0, 0, 0, grow))
+        rows = torch.arange(len(self.gen_len), device=k_new.device).unsqueeze(1)
+        cols = self.gen_len.unsqueeze(1) + torch.arange(s_q, device=k_new.device)
+        self.gen_k[rows, :, cols] = k_new.to(self.gen_k.dtype)
+        self.gen_v[rows, :, cols] = v_new.to(self.gen_v.dtype)
+
+    def _fetch_values(self, miss_slots, miss_count, store: ValueStore) -> None:
+        valid = torch.arange(miss_slots.shape[-1], device=miss_slots.device) < miss_count.unsqueeze(-1)
+        bi, hi, mi = valid.nonzero(as_tuple=True)
+        chunks = self.slot_chunks[bi, hi, miss_slots[bi, hi, mi].long()]
+        per_request = miss_count.sum(dim=-1).tolist()
+        parts = [
+            store.gather(key, h, ch)
+            for key, h, ch, n in zip(self.store_keys, hi.split(per_request),
+                                     chunks.split(per_request), per_request) if n
+        ]
+        staging = torch.cat(parts).to(self.slot_v.device)
+        flat = miss_count.flatten()
+        staging_start = (flat.cumsum(0) - flat).view_as(miss_count).to(torch.int32)
+        ops.scatter_values(staging, staging_start, miss_slots, miss_count, self.slot_v)
+
+    def _refresh_slots(self, q: torch.Tensor, store: ValueStore) -> None:
+        scores = ops.landmark_scores(q, self.landmarks, self.lm_start, self.lm_count,
+                                     self.max_landmarks, 1.0 / math.sqrt(q.shape[-1]))
+        selected = ops.select_chunks(scores, self.landmark_chunks, self.lm_start, self.lm_count,
+                                     self.params.select_chunks)
+        self.slot_chunks, miss_slots, miss_count = assign_slots(self.slot_chunks, selected)
+        if int(miss_count.sum()) == 0:
+            return
+        ops.rebuild_keys(self.a, self.a_positions, self.a_start, self.b, self.slot_chunks,
+                         miss_slots, miss_count, self.rope, self.slot_k)
+        self._fetch_values(miss_slots, miss_count, store)
+
+
+def decode_step(
+    batch: DecodeBatch,
+    q: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    store: ValueStore,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decode step of one layer. q [B, s_q, h_q, d], k_new/v_new [B, s_q, h_kv, d], all
+    post-RoPE, the step's tokens following each request's previous ones (causal among them).
+    -> out [B, s_q, h_q, d], lse [B, s_q, h_q] fp32 (natural log). scale defaults to
+    1/sqrt(d); landmark scoring always uses 1/sqrt(d) as the paper does."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    s_q, c = q.shape[1], batch.params.chunk_size
+    gen_before = batch.gen_len.clone()
+    batch._append_generated(k_new, v_new)
+    batch.gen_len += s_q
+    if batch.max_landmarks > 0:
+        batch._refresh_slots(q, store)
+
+    device = q.device
+    exact_mask = (torch.arange(batch.exact_k.shape[2], device=device)
+                  < batch.exact_len.view(-1, 1)).view(-1, 1, 1, batch.exact_k.shape[2])
+    slot_mask = (batch.slot_chunks >= 0).repeat_interleave(c, dim=-1).unsqueeze(2)
+    gen_width = int(batch.gen_len.max())
+    visible = gen_before.view(-1, 1) + torch.arange(1, s_q + 1, device=device)  # [B, s_q]
+    gen_mask = (torch.arange(gen_width, device=device) < visible.unsqueeze(-1)).unsqueeze(1)
+    parts = [
+        attention_with_lse(q, batch.exact_k, batch.exact_v, exact_mask, scale),
+        attention_with_lse(q, batch.gen_k[:, :, :gen_width], batch.gen_v[:, :, :gen_width],
+                           gen_mask, scale),
+    ]
+    if batch.max_landmarks > 0:
+        parts.append(attention_with_lse(q, batch.slot_k, batch.slot_v, slot_mask, scale))
+    return merge_attention([p[0] for p in parts], [p[1] for p in parts])

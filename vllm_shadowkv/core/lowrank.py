@@ -1,0 +1,30 @@
+"""Rank-r factorisation of pre-RoPE keys: A [tokens, r] shared by the KV heads, B [h_kv, r, d]."""
+
+import torch
+
+
+def factorize_keys(keys_pre: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """keys_pre [T, h_kv, d] -> (A [T, r] fp32, B [h_kv, r, d] fp32), r = min(rank, h_kv*d).
+
+    The paper takes an SVD of the [T, h_kv*d] key matrix. We take the eigendecomposition of its
+    fp32 Gram matrix K^T K instead: one GEMM over the tall matrix plus an eigh of a small
+    (h_kv*d)^2 matrix (1024^2 for Llama-3.1-8B) instead of an SVD of a 128K x 1024 matrix. The
+    top-r eigenvectors Psi are K's top-r right singular vectors, so A = K Psi, B = Psi^T is the
+    same rank-r optimum as U_r S_r V_r^T (Eckart-Young), and Psi is also the basis ShadowKV+
+    needs to project generated keys (A row = k Psi). Squaring the condition number only blurs the
+    discarded small directions. With r = h_kv*d, Psi is a full orthonormal basis: A B = K.
+    """
+    num_tokens, num_heads, head_dim = keys_pre.shape
+    flat = keys_pre.reshape(num_tokens, num_heads * head_dim).float()
+    r = min(rank, num_heads * head_dim)
+    gram = flat.T @ flat
+    _, eigvecs = torch.linalg.eigh(gram)  # ascending eigenvalues
+    psi = eigvecs[:, -r:].flip(-1)  # [h_kv*d, r], largest first
+    a = flat @ psi
+    b = psi.T.reshape(r, num_heads, head_dim).transpose(0, 1).contiguous()
+    return a, b
+
+
+def rebuild_pre_rope(a_rows: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """A rows [T, r] x B [h_kv, r, d] -> pre-RoPE keys [T, h_kv, d], fp32."""
+    return torch.einsum("tr,hrd->thd", a_rows.float(), b.float())

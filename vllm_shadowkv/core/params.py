@@ -1,0 +1,59 @@
+"""ShadowKV method settings, as the engine-independent core sees them."""
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ShadowKVParams:
+    """Paper defaults (§5.1): rank 160, chunk 8, 2048 selected tokens, 48 outlier chunks.
+
+    `sparse_budget` counts only the dynamically selected tokens (k = sparse_budget // chunk_size
+    chunks per KV head); outliers, the local window and generated tokens come on top, as in the
+    paper and the authors' accuracy path.
+    """
+
+    rank: int = 160
+    chunk_size: int = 8
+    sparse_budget: int = 2048
+    outlier_chunks: int = 48
+    local_chunks: int = 4
+    # Prompts shorter than this stay exact (the authors' code: dense up to 4096 tokens).
+    min_compress_tokens: int = 4096
+    # ShadowKV+ (§7.1): fold full chunks of generated tokens into the low-rank pool. Off as in
+    # the base method; not implemented yet, so `validate` refuses it.
+    seal_generated: bool = False
+
+    @property
+    def select_chunks(self) -> int:
+        return self.sparse_budget // self.chunk_size
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first bad setting."""
+        checks = [
+            ("rank", self.rank >= 1, "must be >= 1"),
+            ("chunk_size", self.chunk_size >= 1, "must be >= 1"),
+            ("sparse_budget", self.sparse_budget >= self.chunk_size,
+             f"must be >= chunk_size ({self.chunk_size}) to select at least one chunk"),
+            ("sparse_budget", self.sparse_budget % self.chunk_size == 0,
+             f"must be a multiple of chunk_size ({self.chunk_size})"),
+            ("outlier_chunks", self.outlier_chunks >= 0, "must be >= 0"),
+            ("local_chunks", self.local_chunks >= 0, "must be >= 0"),
+            ("min_compress_tokens", self.min_compress_tokens >= 0, "must be >= 0"),
+            ("seal_generated", not self.seal_generated, "ShadowKV+ sealing is not implemented"),
+        ]
+        for name, ok, rule in checks:
+            if not ok:
+                raise ValueError(f"shadowkv.{name}={getattr(self, name)!r}: {rule}")
+
+    def compressed_chunks(self, num_tokens: int) -> int:
+        """Chunks of a prompt that go into the low-rank pool; 0 means the prompt stays exact.
+
+        The local window is the last `local_chunks` full chunks plus the `num_tokens % chunk_size`
+        leftover tokens, fixed at prefill (the authors' accuracy path; no multiple-of-8 rounding).
+        A prompt is compressed only when it reaches `min_compress_tokens` and has more chunks than
+        outliers + local, otherwise there is nothing left to select from.
+        """
+        n_chunks = num_tokens // self.chunk_size - self.local_chunks
+        if num_tokens < self.min_compress_tokens or n_chunks <= self.outlier_chunks:
+            return 0
+        return n_chunks

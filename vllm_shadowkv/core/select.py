@@ -1,0 +1,90 @@
+"""Chunk selection for decode: landmark scores, top-k per KV head, slot assignment (hit cache).
+
+`landmark_scores` and `select_chunks` are the torch references of the Triton kernels in
+vllm_shadowkv.triton_kernels.select_kernels (same signatures); `assign_slots` is vectorised torch
+used on every device.
+"""
+
+import torch
+
+
+def landmark_scores(
+    q: torch.Tensor,
+    landmarks: torch.Tensor,
+    lm_start: torch.Tensor,
+    lm_count: torch.Tensor,
+    max_count: int,
+    scale: float,
+) -> torch.Tensor:
+    """Chunk scores per KV head, [B, h_kv, max_count] fp32; -1 past a request's count.
+
+    q [B, s_q, h_q, d] post-RoPE; landmarks [NL, h_kv, d] pool where request b owns rows
+    [lm_start[b], lm_start[b] + lm_count[b]). Per query head: softmax over the request's
+    landmarks (fp32, scale 1/sqrt(d) in the paper); summed over the s_q query tokens; max over
+    the query heads of each KV head (GQA).
+    """
+    batch, s_q, h_q, head_dim = q.shape
+    h_kv = landmarks.shape[1]
+    out = q.new_full((batch, h_kv, max_count), -1.0, dtype=torch.float32)
+    for i, (start, count) in enumerate(zip(lm_start.tolist(), lm_count.tolist())):
+        if count == 0:
+            continue
+        lm = landmarks[start:start + count].float()  # [n, h_kv, d]
+        qg = q[i].float().view(s_q, h_kv, h_q // h_kv, head_dim)
+        probs = torch.softmax(torch.einsum("shgd,nhd->hgsn", qg, lm) * scale, dim=-1)
+        out[i, :, :count] = probs.sum(dim=2).amax(dim=1)
+    return out
+
+
+def select_chunks(
+    scores: torch.Tensor,
+    landmark_chunks: torch.Tensor,
+    lm_start: torch.Tensor,
+    lm_count: torch.Tensor,
+    k: int,
+) -> torch.Tensor:
+    """Top-k landmarks per (request, KV head) -> their chunk ids [B, h_kv, k] int32.
+
+    Request b selects min(k, lm_count[b]) chunks; the rest of its row is -1. The order of the
+    selected ids within a row is unspecified (it is a set).
+    """
+    batch, h_kv, max_count = scores.shape
+    out = torch.full((batch, h_kv, k), -1, dtype=torch.int32, device=scores.device)
+    take = min(k, max_count)
+    if take == 0:
+        return out
+    idx = torch.topk(scores, take, dim=-1).indices  # [B, h, take]
+    valid = idx < lm_count.view(-1, 1, 1)
+    rows = (lm_start.view(-1, 1, 1) + idx).clamp(max=landmark_chunks.shape[0] - 1)
+    heads = torch.arange(h_kv, device=scores.device).view(1, -1, 1)
+    chunks = landmark_chunks[rows.long(), heads]
+    out[..., :take] = torch.where(valid, chunks.to(torch.int32), -1)
+    return out
+
+
+def assign_slots(
+    slot_chunks: torch.Tensor, selected: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The upstream hit-cache policy: a selected chunk already resident stays in its slot; the
+    misses take the freed slots, lowest slot first, in selection order.
+
+    slot_chunks [B, h_kv, k] int32 resident chunk per slot (-1 empty); selected [B, h_kv, k] int32
+    (-1 = none). -> (new slot_chunks, miss_slots [B, h_kv, k] int32 whose first miss_count
+    entries are the slots to fill, -1 after; miss_count [B, h_kv] int32).
+    """
+    k = slot_chunks.shape[-1]
+    sel_valid = selected >= 0
+    same = (selected.unsqueeze(-1) == slot_chunks.unsqueeze(-2)) & sel_valid.unsqueeze(-1)
+    hit = same.any(dim=-1)  # per selected entry
+    keep = same.any(dim=-2)  # per slot
+    miss = sel_valid & ~hit
+    miss_count = miss.sum(dim=-1)
+    # Stable sorts put the misses (and the free slots) first, each in their original order.
+    miss_chunks = selected.gather(-1, torch.sort((~miss).to(torch.int8), dim=-1, stable=True).indices)
+    free_slots = torch.sort(keep.to(torch.int8), dim=-1, stable=True).indices
+    used = torch.arange(k, device=selected.device) < miss_count.unsqueeze(-1)
+    # Writing -1 past miss_count also clears evicted slots; kept slots are restored after.
+    new_slots = slot_chunks.scatter(-1, free_slots, torch.where(used, miss_chunks, -1))
+    new_slots = torch.where(keep, slot_chunks, new_slots)
+    miss_slots = torch.where(used, free_slots, -1)
+    return new_slots.to(torch.int32), miss_slots.to(torch.int32), miss_count.to(torch.int32)

@@ -1,0 +1,42 @@
+"""Where the values of compressed chunks live during decode.
+
+The real store (vllm_shadowkv/store/) is a bounded pinned CPU pool; the core only needs this
+protocol. Rows are one chunk of one KV head, [chunk_size, head_dim]: the unit that moves.
+"""
+
+from collections.abc import Hashable
+from typing import Protocol
+
+import torch
+
+
+class ValueStore(Protocol):
+    def put(self, key: Hashable, values: torch.Tensor) -> None:
+        """Keep `values` [h_kv, n_chunks, chunk_size, d] of one request (one layer) under `key`."""
+
+    def gather(self, key: Hashable, heads: torch.Tensor, chunks: torch.Tensor) -> torch.Tensor:
+        """Rows (heads[i], chunks[i]) of `key` -> [M, chunk_size, d] on the caller's device."""
+
+    def free(self, key: Hashable) -> None:
+        """Give back everything held for `key`."""
+
+
+class InMemoryValueStore:
+    """Unbounded dict of tensors, for tests and benchmarks."""
+
+    def __init__(self, device: torch.device | str = "cpu"):
+        self.device = torch.device(device)
+        self._values: dict[Hashable, torch.Tensor] = {}
+
+    def put(self, key: Hashable, values: torch.Tensor) -> None:
+        self._values[key] = values.to(self.device).contiguous()
+
+    def gather(self, key: Hashable, heads: torch.Tensor, chunks: torch.Tensor) -> torch.Tensor:
+        values = self._values[key]
+        return values[heads.to(self.device).long(), chunks.to(self.device).long()]
+
+    def free(self, key: Hashable) -> None:
+        self._values.pop(key, None)
+
+    def __len__(self) -> int:
+        return len(self._values)
