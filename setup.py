@@ -10,6 +10,7 @@ PACKAGES = {
     "vllm_shadowkv.backend": "vllm_shadowkv/backend",
     "vllm_shadowkv.core": "vllm_shadowkv/core",
     "vllm_shadowkv.eval": "vllm_shadowkv/eval",
+    "vllm_shadowkv.store": "vllm_shadowkv/store",
     "vllm_shadowkv.triton_kernels": "triton_kernels",
     "vllm_shadowkv.patches": "patches",
 }

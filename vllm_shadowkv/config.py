@@ -34,7 +34,10 @@ class ShadowKVConfig:
     min_sparse_len: int = 4096
     """Context length (tokens) from which a request is decoded sparsely; dense below it."""
     value_store_gib: float = 16.0
-    """Size of the CPU value store in GiB (pinned host memory on CUDA)."""
+    """Size of the CPU value store in GiB (pinned host memory on CUDA), per worker."""
+    max_staging_requests: int = 1
+    """Long prompts held exactly at once while they are prefilled, before compression: bounds
+    the transient full-size KV of compressions in flight. More wait for their turn."""
 
     @classmethod
     def from_additional_config(cls, additional_config: Any) -> ShadowKVConfig:
@@ -78,10 +81,11 @@ class ShadowKVConfig:
     def _check_ranges(self) -> None:
         _at_least("rank", self.rank, 1)
         _at_least("chunk_size", self.chunk_size, 1)
-        _at_least("sparse_budget", self.sparse_budget, 0)
+        _at_least("sparse_budget", self.sparse_budget, self.chunk_size)
         _at_least("outlier_chunks", self.outlier_chunks, 0)
         _at_least("local_window", self.local_window, 0)
         _at_least("min_sparse_len", self.min_sparse_len, 1)
+        _at_least("max_staging_requests", self.max_staging_requests, 1)
         if self.sparse_budget % self.chunk_size:
             raise ShadowKVConfigError(
                 f"{CONFIG_KEY}.sparse_budget ({self.sparse_budget}) must be a multiple of "

@@ -56,6 +56,18 @@ def register_backend() -> None:
     register_backend(custom, BACKEND_CLASS_PATH)
     # An alias, not a new member: AttentionBackendEnum["SHADOWKV"] is CUSTOM.
     AttentionBackendEnum._member_map_.setdefault(BACKEND_NAME, custom)
+    register_kv_cache_spec()
+
+
+def register_kv_cache_spec() -> None:
+    """Compressed pages get their own block manager (``backend/kv_spec.py``)."""
+    from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
+
+    from vllm_shadowkv.backend.kv_spec import ShadowKVManager, ShadowKVSpec
+
+    # vLLM registers its built-in specs only into an empty registry: let it go first.
+    KVCacheSpecRegistry._ensure_registered()
+    KVCacheSpecRegistry.register(ShadowKVSpec, ShadowKVManager, uniform_type_base_spec=ShadowKVSpec)
 
 
 def selects_shadowkv(backend) -> bool:

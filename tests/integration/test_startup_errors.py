@@ -28,7 +28,7 @@ def test_defaults_are_accepted(tiny_model):
         ({"rank": "64"}, "shadowkv.rank must be an integer, got '64'"),
         ({"rank": 64.5}, "shadowkv.rank must be an integer"),
         ({"local_window": True}, "shadowkv.local_window must be an integer, got True"),
-        ({"sparse_budget": -8}, "shadowkv.sparse_budget must be >= 0, got -8"),
+        ({"sparse_budget": -8}, "shadowkv.sparse_budget must be >= 8, got -8"),
         ({"sparse_budget": 100}, "sparse_budget (100) must be a multiple of chunk_size (8)"),
         ({"chunk_size": 24, "sparse_budget": 240}, "chunk_size (24) must divide the KV block size (128)"),
         ({"rank": 512}, "rank (512) exceeds the key width of this model: num_kv_heads (4) x "

@@ -1,9 +1,9 @@
 """The ``shadowkv`` attention backend in vLLM's four-class shape.
 
-``ShadowKVBackend`` declares what the backend supports, ``ShadowKVMetadata`` is one step's batch
-description, ``ShadowKVMetadataBuilder`` makes it from vLLM's common metadata, and
-``ShadowKVImpl`` stores K/V into the paged cache and runs attention. Today every request is
-attended exactly (torch, CPU and CUDA); sparse ShadowKV decode adds to this path.
+``ShadowKVBackend`` declares what the backend supports and its page format (``customize_spec``),
+``ShadowKVMetadata`` is one step's batch, ``ShadowKVMetadataBuilder`` makes it (request ids,
+prompt lengths, where each new token's K/V goes), and ``ShadowKVImpl`` stores K/V and runs each
+request's attention in its phase (``request_attention``): exact, compress, or sparse decode.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
-from vllm.config import VllmConfig
+from vllm.config import VllmConfig, get_current_vllm_config
 from vllm.v1.attention.backend import (
     AttentionBackend,
     AttentionCGSupport,
@@ -23,11 +23,15 @@ from vllm.v1.attention.backend import (
     CommonAttentionMetadata,
     MultipleOf,
 )
-from vllm.v1.kv_cache_interface import AttentionSpec
+from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
 from vllm_shadowkv import BACKEND_NAME
+from vllm_shadowkv.backend import pages, request_attention
+from vllm_shadowkv.backend.kv_spec import ShadowKVSpec
+from vllm_shadowkv.backend.layout import PageLayout
 from vllm_shadowkv.backend.model_check import SUPPORTED_KV_CACHE_DTYPES
-from vllm_shadowkv.backend.paged_attention import paged_attention, split_kv_cache, write_kv
+from vllm_shadowkv.backend.worker_state import STATE, EngineFacts
+from vllm_shadowkv.core.rope import RopeCache
 
 
 class ShadowKVBackend(AttentionBackend):
@@ -65,52 +69,72 @@ class ShadowKVBackend(AttentionBackend):
     def supports_compute_capability(cls, capability) -> bool:
         return True
 
+    @classmethod
+    def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
+        return (KVCacheLayout.LBHNC,)  # each page one contiguous run of bytes per layer
+
+    @classmethod
+    def customize_spec(cls, spec: AttentionSpec) -> AttentionSpec:
+        """Pages sized for compressed tokens (``layout.PageLayout``), one head slot per token."""
+        if isinstance(spec, ShadowKVSpec):
+            return spec
+        engine = STATE.engine
+        layout = PageLayout(engine.config, spec.num_kv_heads, spec.head_size, spec.dtype,
+                            spec.block_size)
+        return ShadowKVSpec(
+            block_size=spec.block_size, num_kv_heads=spec.num_kv_heads,
+            head_size=spec.head_size, head_size_v=spec.head_size_v, dtype=spec.dtype,
+            kv_quant_mode=spec.kv_quant_mode, num_head_slots=1,
+            state_content_bytes=layout.slot_bytes, shadowkv=engine.config,
+            max_model_len=engine.max_model_len, num_layers=engine.num_layers,
+        )
+
 
 @dataclass
 class ShadowKVMetadata:
+    layout: PageLayout
     num_actual_tokens: int
-    max_query_len: int
-    query_start_loc: list[int]  # host copies: the torch path loops over requests
+    req_ids: list[str | None]  # None: a dummy row (profiling, warm-up)
+    prompt_lens: list[int]
+    query_start_loc: list[int]
     seq_lens: list[int]
     block_table: torch.Tensor  # [num_reqs, max_blocks]
-    slot_mapping: torch.Tensor  # [num_actual_tokens]
-
-    @property
-    def num_reqs(self) -> int:
-        return len(self.seq_lens)
-
-    @property
-    def query_lens(self) -> list[int]:
-        q = self.query_start_loc
-        return [q[i + 1] - q[i] for i in range(self.num_reqs)]
+    write_blocks: torch.Tensor  # [num_actual_tokens] block id of each new token's K/V
+    write_slots: torch.Tensor  # [num_actual_tokens] exact slot in that page
 
 
 class ShadowKVMetadataBuilder(AttentionMetadataBuilder[ShadowKVMetadata]):
     _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
 
-    def __init__(
-        self,
-        kv_cache_spec: AttentionSpec,
-        layer_names: list[str],
-        vllm_config: VllmConfig,
-        device: torch.device,
-    ) -> None:
+    def __init__(self, kv_cache_spec: ShadowKVSpec, layer_names: list[str],
+                 vllm_config: VllmConfig, device: torch.device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self.layout = kv_cache_spec.layout
 
-    def build(
-        self,
-        common_prefix_len: int,
-        common_attn_metadata: CommonAttentionMetadata,
-        fast_build: bool = False,
-    ) -> ShadowKVMetadata:
+    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
+              fast_build: bool = False) -> ShadowKVMetadata:
         m = common_attn_metadata
+        num_reqs = m.num_reqs
+        query_start_loc = m.query_start_loc_cpu[: num_reqs + 1].tolist()
+        seq_lens = m.seq_lens[:num_reqs].tolist()
+        req_ids, prompt_lens = STATE.batch_requests(num_reqs)
+        if len(req_ids) < num_reqs:  # a dummy batch: no real requests behind its rows
+            req_ids, prompt_lens = [None] * num_reqs, list(seq_lens)
+        block_table = m.block_table_tensor[:num_reqs]
+        blocks, slots = [], []
+        for i in range(num_reqs):
+            q_len = query_start_loc[i + 1] - query_start_loc[i]
+            positions = torch.arange(seq_lens[i] - q_len, seq_lens[i], device=block_table.device)
+            b, s = pages.exact_token_slots(self.layout, prompt_lens[i], block_table[i], positions)
+            blocks.append(b)
+            slots.append(s)
+        empty = torch.zeros(0, dtype=torch.long, device=block_table.device)
         return ShadowKVMetadata(
-            num_actual_tokens=m.num_actual_tokens,
-            max_query_len=m.max_query_len,
-            query_start_loc=m.query_start_loc_cpu[: m.num_reqs + 1].tolist(),
-            seq_lens=m.seq_lens[: m.num_reqs].tolist(),
-            block_table=m.block_table_tensor[: m.num_reqs],
-            slot_mapping=m.slot_mapping[: m.num_actual_tokens],
+            layout=self.layout, num_actual_tokens=m.num_actual_tokens, req_ids=req_ids,
+            prompt_lens=prompt_lens, query_start_loc=query_start_loc, seq_lens=seq_lens,
+            block_table=block_table,
+            write_blocks=torch.cat(blocks) if blocks else empty,
+            write_slots=torch.cat(slots) if slots else empty,
         )
 
 
@@ -136,6 +160,7 @@ class ShadowKVImpl(AttentionImpl[ShadowKVMetadata]):
             f"attention type {attn_type!r}": attn_type != AttentionType.DECODER,
             "attention sinks": sinks is not None,
             f"--kv-cache-dtype {kv_cache_dtype}": kv_cache_dtype not in SUPPORTED_KV_CACHE_DTYPES,
+            "KV sharing across layers": kv_sharing_target_layer_name is not None,
         }
         found = [name for name, bad in unsupported.items() if bad]
         if found:
@@ -143,26 +168,27 @@ class ShadowKVImpl(AttentionImpl[ShadowKVMetadata]):
                 f"The shadowkv attention backend does not support {', '.join(found)}; it serves "
                 "decoder layers with full causal RoPE attention and a 16-bit KV cache"
             )
+        STATE.engine = EngineFacts.from_vllm_config(get_current_vllm_config())
         self.num_heads = num_heads
         self.head_size = head_size
         self.scale = float(scale)
         self.num_kv_heads = num_kv_heads or num_heads
         self.kv_cache_dtype = kv_cache_dtype
-        self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
+        self._rope: RopeCache | None = None
+        self._layer_index: int | None = None
 
-    def do_kv_cache_update(
-        self,
-        layer: torch.nn.Module,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        kv_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
-    ) -> None:
-        if self.kv_sharing_target_layer_name is not None:
-            return  # the target layer already wrote this cache
-        key_cache, value_cache = split_kv_cache(kv_cache, self.head_size)
-        n = slot_mapping.shape[0]
-        write_kv(key[:n], value[:n], key_cache, value_cache, slot_mapping)
+    def do_kv_cache_update(self, layer: torch.nn.Module, key: torch.Tensor, value: torch.Tensor,
+                           kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        from vllm.forward_context import get_forward_context
+
+        metadata = get_forward_context().attn_metadata
+        if isinstance(metadata, dict):
+            metadata = metadata[layer.layer_name]
+        if metadata is None:
+            return
+        n = metadata.num_actual_tokens
+        pages.write_exact(kv_cache, metadata.layout, metadata.write_blocks, metadata.write_slots,
+                          key[:n], value[:n])
 
     def forward(
         self,
@@ -180,12 +206,50 @@ class ShadowKVImpl(AttentionImpl[ShadowKVMetadata]):
             raise NotImplementedError("shadowkv does not fuse output quantization")
         if attn_metadata is None:  # profiling run
             return output.fill_(0)
-        n = attn_metadata.num_actual_tokens
-        key_cache, value_cache = split_kv_cache(kv_cache, self.head_size)
-        query = query[:n].view(n, self.num_heads, self.head_size)
-        out = output[:n].view(n, self.num_heads, self.head_size)
-        paged_attention(
-            query, key_cache, value_cache, attn_metadata.query_start_loc,
-            attn_metadata.seq_lens, attn_metadata.block_table, self.scale, out,
-        )
+        m, layout = attn_metadata, attn_metadata.layout
+        n, h, hkv, d = m.num_actual_tokens, self.num_heads, self.num_kv_heads, self.head_size
+        query, out = query[:n].view(n, h, d), output[:n].view(n, h, d)
+        key, value = key[:n].view(n, hkv, d), value[:n].view(n, hkv, d)
+        for i, req_id in enumerate(m.req_ids):
+            start, end = m.query_start_loc[i], m.query_start_loc[i + 1]
+            if end == start:
+                continue
+            prompt_len, seq_len, blocks = m.prompt_lens[i], m.seq_lens[i], m.block_table[i]
+            sparse = req_id is not None and layout.is_sparse(prompt_len)
+            if sparse and seq_len - (end - start) >= prompt_len:
+                stats = STATE.request(req_id, prompt_len)
+                stats.mode = "sparse"
+                out[start:end] = request_attention.sparse_attention(
+                    kv_cache, layout, prompt_len, blocks, seq_len, query[start:end],
+                    key[start:end], value[start:end], self._rope_of(layer), STATE.value_store(layout),
+                    (req_id, self._index_of(layer)), self.scale, stats)
+                continue
+            if req_id is not None:
+                STATE.request(req_id, prompt_len)
+            out[start:end] = request_attention.exact_attention(
+                kv_cache, layout, prompt_len, blocks, seq_len, query[start:end], self.scale)
+            if sparse and seq_len >= prompt_len:  # this step completed the prompt
+                layer_index = self._index_of(layer)
+                request_attention.compress(kv_cache, layout, prompt_len, blocks,
+                                           self._rope_of(layer), STATE.value_store(layout),
+                                           (req_id, layer_index))
+                STATE.compressed.setdefault(req_id, set()).add(layer_index)
         return output
+
+    def _index_of(self, layer) -> int:
+        if self._layer_index is None:
+            from vllm.model_executor.models.utils import extract_layer_index
+
+            self._layer_index = extract_layer_index(layer.layer_name)
+        return self._layer_index
+
+    def _rope_of(self, layer) -> RopeCache:
+        """The model's own rotary embedding for this layer (every scaling variant matches)."""
+        if self._rope is None:
+            parent = layer.layer_name.rsplit(".", 1)[0]
+            rotary = getattr(STATE.runner.get_model().get_submodule(parent), "rotary_emb", None)
+            if rotary is None:
+                raise ValueError(f"shadowkv: layer {parent} has no rotary_emb; RoPE is required")
+            self._rope = RopeCache(rotary.cos_sin_cache.float(), rotary.rotary_dim,
+                                   rotary.is_neox_style)
+        return self._rope

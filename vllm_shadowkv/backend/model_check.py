@@ -7,7 +7,11 @@ silent fallback to another backend.
 
 from __future__ import annotations
 
+from vllm.logger import init_logger
+
 from vllm_shadowkv.config import ShadowKVConfig, ShadowKVConfigError
+
+logger = init_logger(f"vllm.{__name__}")  # under vLLM's handlers and level
 
 SUPPORTED_KV_CACHE_DTYPES = ("auto", "bfloat16", "float16")
 _ROPE_KEYS = ("rope_parameters", "rope_theta", "rope_scaling", "rotary_emb_base", "rotary_pct")
@@ -16,6 +20,11 @@ _ROPE_KEYS = ("rope_parameters", "rope_theta", "rope_scaling", "rotary_emb_base"
 def validate_engine(vllm_config) -> ShadowKVConfig:
     """Parse the settings and check model and options; return the config the engine will use."""
     config = ShadowKVConfig.from_additional_config(vllm_config.additional_config)
+    if vllm_config.cache_config.enable_prefix_caching:
+        # Compressed pages are per request (their own low-rank basis): no block is shareable.
+        logger.warning("shadowkv: prefix caching is not supported with compressed pages; "
+                       "disabling it (pass --no-enable-prefix-caching to silence this)")
+        vllm_config.cache_config.enable_prefix_caching = False
     model_config = vllm_config.model_config
     check_model(model_config)
     check_kv_cache_dtype(vllm_config.cache_config.cache_dtype)

@@ -1,0 +1,41 @@
+"""Tell the shadowkv backend which requests a worker runs and which ones it releases.
+
+Wraps ``GPUModelRunner._update_states`` (also the CPU runner's): before the runner updates its
+batch, register the runner (request ids and prompt lengths of the batch rows) and release the
+value-store space of finished, aborted, preempted and resumed requests (a resumed request is
+recomputed from scratch, so its old values are stale).
+"""
+
+from __future__ import annotations
+
+import weakref
+
+_EXPECTED = ["self", "scheduler_output"]
+
+
+def apply() -> None:
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from vllm_shadowkv.patches import check_signature
+
+    original = GPUModelRunner._update_states
+    if getattr(original, "_shadowkv_original", None) is not None:
+        return
+    check_signature(original, _EXPECTED, "GPUModelRunner._update_states")
+
+    def _update_states(self, scheduler_output):
+        from vllm_shadowkv.backend.worker_state import STATE
+
+        STATE.runner_ref = weakref.ref(self)
+        STATE.release(released_requests(scheduler_output))
+        return original(self, scheduler_output)
+
+    _update_states._shadowkv_original = original
+    GPUModelRunner._update_states = _update_states
+
+
+def released_requests(scheduler_output) -> set[str]:
+    released = set(scheduler_output.finished_req_ids)
+    released |= scheduler_output.preempted_req_ids or set()
+    released |= scheduler_output.scheduled_cached_reqs.resumed_req_ids
+    return released

@@ -1,0 +1,114 @@
+"""The page layout and page I/O of the shadowkv backend, without an engine."""
+
+import pytest
+import torch
+
+from vllm_shadowkv.backend import pages, request_attention
+from vllm_shadowkv.backend.layout import PageLayout
+from vllm_shadowkv.config import ShadowKVConfig
+from vllm_shadowkv.core.attention import attention_with_lse
+from vllm_shadowkv.core.compress import compress_prompt
+from vllm_shadowkv.core.decode import DecodeBatch, decode_step
+from vllm_shadowkv.core.rope import RopeCache, apply_rope
+from vllm_shadowkv.core.store import InMemoryValueStore
+from vllm_shadowkv.backend.worker_state import RequestStats
+
+CONFIG = ShadowKVConfig(rank=64, sparse_budget=64, outlier_chunks=4, local_window=16,
+                        min_sparse_len=256)
+
+
+def make_layout(h=2, d=32, block_size=32, config=CONFIG, dtype=torch.float32):
+    return PageLayout(config, h, d, dtype, block_size)
+
+
+def test_llama8b_shapes_compress_7x_per_token():
+    layout = PageLayout(ShadowKVConfig(), 8, 128, torch.bfloat16, 128)
+    assert layout.slot_bytes == (160 + 128) * 2  # A row + landmark share: 576 B
+    assert layout.exact_token_bytes == 4096 and layout.exact_per_page == 18
+    assert layout.exact_token_bytes / layout.slot_bytes > 7
+    # A 128K prompt after compression vs the same prompt held exactly (vLLM's default page):
+    steady = layout.steady_blocks(131072) * layout.page_bytes
+    assert 131072 * layout.exact_token_bytes / steady > 6
+
+
+def test_phases_of_a_sparse_request():
+    layout = make_layout()
+    p = 1000
+    assert layout.is_sparse(p) and not layout.is_sparse(255)
+    stage, packed, state = layout.exact_blocks(p), layout.packed_blocks(p), layout.state_blocks(p)
+    assert layout.blocks_needed(p, 500) == layout.exact_blocks(500)  # still prefilling
+    assert layout.blocks_needed(p, p) == stage + packed + state  # compression step
+    assert layout.blocks_needed(p, p + 1) == stage + packed + state + 1
+    assert layout.steady_blocks(p) == packed + state
+    # Generated tokens go after the state pages, prompt tokens to the staging pages.
+    assert layout.token_block(p, p + layout.exact_per_page) == (stage + packed + state + 1, 0)
+    assert layout.token_block(p, 5) == (0, 5)
+    assert layout.token_block(100, 100) == divmod(100, layout.exact_per_page)  # exact request
+
+
+def _pages_for(layout, prompt_len, total, generator):
+    n = layout.blocks_needed(prompt_len, total)
+    cache = torch.zeros(n + 7, 1, layout.block_size, layout.slot_bytes // layout.elem_bytes,
+                        dtype=layout.dtype)
+    block_ids = torch.randperm(n + 6, generator=generator)[:n] + 1  # block 0: vLLM's null block
+    return cache, block_ids
+
+
+def test_exact_tokens_round_trip_through_permuted_pages():
+    g = torch.Generator().manual_seed(0)
+    layout = make_layout()
+    p, total = 700, 760
+    cache, block_ids = _pages_for(layout, p, total, g)
+    positions = torch.arange(total)
+    k, v = torch.randn(total, 2, 32, generator=g), torch.randn(total, 2, 32, generator=g)
+    blocks, slots = pages.exact_token_slots(layout, p, block_ids, positions)
+    pages.write_exact(cache, layout, blocks, slots, k, v)
+    k2, v2 = pages.read_exact(cache, layout, p, block_ids, positions)
+    assert torch.equal(k2, k) and torch.equal(v2, v)
+    assert len(set(zip(blocks.tolist(), slots.tolist()))) == total  # no two tokens share a slot
+
+
+def _rope(d=32, max_pos=4096):
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+    freqs = torch.outer(torch.arange(max_pos).float(), inv)
+    return RopeCache(torch.cat([freqs.cos(), freqs.sin()], dim=-1), d, True)
+
+
+@pytest.mark.parametrize("full", [True, False])
+def test_compress_then_sparse_decode_from_pages(full):
+    """The paged path is the core's decode: with state kept in pages between steps it matches
+    ``DecodeBatch``/``decode_step`` step by step; with full rank and a budget covering the
+    context both are dense attention."""
+    g = torch.Generator().manual_seed(1)
+    h, hq, d, p, gen = 2, 8, 32, 600, 3
+    config = CONFIG if not full else ShadowKVConfig(
+        rank=h * d, sparse_budget=1024, outlier_chunks=4, local_window=16, min_sparse_len=256)
+    layout = make_layout(config=config)
+    rope = _rope()
+    total = p + gen
+    cache, block_ids = _pages_for(layout, p, total, g)
+    positions = torch.arange(total)
+    k = apply_rope(torch.randn(total, h, d, generator=g), positions, rope)
+    v = torch.randn(total, h, d, generator=g)
+    blocks, slots = pages.exact_token_slots(layout, p, block_ids, positions)
+    pages.write_exact(cache, layout, blocks, slots, k, v)
+    store = InMemoryValueStore()
+    request_attention.compress(cache, layout, p, block_ids, rope, store, "req")
+    core_store = InMemoryValueStore()
+    prompt = compress_prompt(k[:p], v[:p], positions[:p], rope, layout.params, core_store, "req")
+    batch = DecodeBatch.build([prompt], ["req"], rope, layout.params)
+    stats = RequestStats()
+    for step in range(gen):
+        seq_len = p + step + 1
+        q = torch.randn(1, hq, d, generator=g)
+        new_k, new_v = k[seq_len - 1: seq_len], v[seq_len - 1: seq_len]
+        out = request_attention.sparse_attention(
+            cache, layout, p, block_ids, seq_len, q, new_k, new_v, rope, store, "req",
+            d ** -0.5, stats)
+        core_out, _ = decode_step(batch, q[None], new_k[None], new_v[None], core_store, d ** -0.5)
+        torch.testing.assert_close(out, core_out[0], atol=1e-5, rtol=1e-5)
+        if full:
+            dense, _ = attention_with_lse(q[None], k[:seq_len].transpose(0, 1)[None],
+                                          v[:seq_len].transpose(0, 1)[None], None, d ** -0.5)
+            torch.testing.assert_close(out, dense[0], atol=1e-4, rtol=1e-4)
+    assert stats.decode_steps == gen and stats.hits > 0  # the slots persisted between steps

@@ -1,0 +1,185 @@
+"""The CPU value store: round trips, page reuse, the capacity bound, and the core protocol."""
+
+import random
+
+import pytest
+import torch
+
+from vllm_shadowkv.core.compress import compress_prompts
+from vllm_shadowkv.core.decode import DecodeBatch, decode_step
+from vllm_shadowkv.core.params import ShadowKVParams
+from vllm_shadowkv.core.rope import RopeCache, apply_rope
+from vllm_shadowkv.core.store import InMemoryValueStore
+from vllm_shadowkv.store import CpuValueStore, ValueStoreFull
+
+C, D = 8, 16
+
+
+def make_store(capacity_bytes=1 << 24, dtype=torch.float32, page_rows=16):
+    return CpuValueStore(capacity_bytes, dtype, chunk_size=C, head_dim=D, page_rows=page_rows,
+                         pin_memory=False)
+
+
+def values(heads, chunks, dtype=torch.float32):
+    return torch.randn(heads, chunks, C, D).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_round_trip_random_shapes(dtype):
+    gen = torch.Generator().manual_seed(0)
+    # Small pages, so keys span many pages and some span several extents.
+    store = make_store(dtype=dtype, page_rows=4)
+    sources = {}
+    for i, (heads, chunks) in enumerate([(1, 1), (3, 7), (2, 33), (8, 13), (5, 101)]):
+        sources[("req", i)] = values(heads, chunks, dtype)
+        store.put(("req", i), sources[("req", i)])
+    assert len(store._extents) > 1
+    assert any(len(entry.extents) > 1 for entry in store._entries.values())
+    for key, src in sources.items():
+        heads, chunks = src.shape[:2]
+        m = 3 * heads * chunks
+        h = torch.randint(heads, (m,), generator=gen)
+        ch = torch.randint(chunks, (m,), generator=gen)
+        got = store.gather(key, h, ch.int())
+        assert got.device.type == "cpu" and got.dtype == dtype and got.shape == (m, C, D)
+        assert torch.equal(got, src[h, ch])
+        every = store.gather(key, torch.arange(heads).repeat_interleave(chunks),
+                             torch.arange(chunks).repeat(heads))
+        assert torch.equal(every, src.reshape(-1, C, D))
+
+
+def test_put_accepts_a_permuted_view_and_empty_gathers():
+    store = make_store()
+    src = torch.randn(5, 3, C, D)  # [n_chunks, h, c, d] as compress_prompt permutes it
+    store.put("k", src.permute(1, 0, 2, 3))
+    assert torch.equal(store.gather("k", torch.tensor([2, 0]), torch.tensor([4, 1])),
+                       src[[4, 1], [2, 0]])
+    empty = torch.zeros(0, dtype=torch.long)
+    assert store.gather("k", empty, empty).shape == (0, C, D)
+
+
+def test_pages_are_reused_after_free():
+    rng = random.Random(1)
+    store = make_store(capacity_bytes=1 << 22)
+    live, peak_allocated = [], []
+    for cycle in range(1000):
+        key = ("r", cycle)
+        store.put(key, values(rng.randint(1, 4), rng.randint(1, 40)))
+        live.append(key)
+        if len(live) > 6:
+            store.free(live.pop(rng.randrange(len(live))))
+        peak_allocated.append(store.allocated_bytes)
+    assert peak_allocated[100] == peak_allocated[-1]  # grows while warming up, then stops
+    assert store.allocated_bytes <= store.capacity_bytes
+    for key in live:
+        store.free(key)
+    assert store.used_bytes == 0 and store.num_keys == 0
+    store.free(("r", 0))  # already freed: a no-op
+    store.free("never-put")
+    assert store.used_bytes == 0
+
+
+def test_capacity_is_enforced_and_a_failed_put_changes_nothing():
+    store = make_store(capacity_bytes=10 * 16 * C * D * 4)  # ten pages of 16 rows
+    assert store.capacity_bytes == 10 * store.page_bytes
+    assert store.bytes_needed(2, 40) == 5 * store.page_bytes
+    store.put(("req-a", 0), values(2, 40))
+    store.put(("req-b", 0), values(2, 40))
+    assert store.used_bytes == store.capacity_bytes == store.allocated_bytes
+    assert store.can_fit(0) and not store.can_fit(1)
+    before = (store.used_bytes, store.allocated_bytes, store.num_keys, store.bytes_put,
+              list(store._free))
+    with pytest.raises(ValueStoreFull) as err:
+        store.put(("req-c", 3), values(1, 1))
+    message = str(err.value)
+    assert isinstance(err.value, RuntimeError)
+    for part in ("('req-c', 3)", f"needs {store.page_bytes} bytes", "0 bytes free",
+                 str(store.capacity_bytes), "shadowkv.value_store_gib"):
+        assert part in message
+    assert (store.used_bytes, store.allocated_bytes, store.num_keys, store.bytes_put,
+            list(store._free)) == before
+    with pytest.raises(KeyError, match="req-c"):
+        store.gather(("req-c", 3), torch.tensor([0]), torch.tensor([0]))
+    store.free(("req-a", 0))
+    store.put(("req-c", 3), values(1, 1))  # fits once space is given back
+    assert store.allocated_bytes == store.capacity_bytes
+
+
+def test_misuse_is_refused():
+    store = make_store()
+    store.put("k", values(2, 3))
+    with pytest.raises(ValueError, match="already stored"):
+        store.put("k", values(2, 3))
+    with pytest.raises(ValueError, match="expected"):
+        store.put("other", values(2, 3, torch.bfloat16))
+    with pytest.raises(IndexError, match="2 heads x 3 chunks"):
+        store.gather("k", torch.tensor([0]), torch.tensor([3]))
+    store.clear()
+    assert store.num_keys == 0 and store.used_bytes == 0 and store.allocated_bytes > 0
+    with pytest.raises(KeyError, match="'k'"):
+        store.gather("k", torch.tensor([0]), torch.tensor([0]))
+
+
+def test_allocation_is_lazy():
+    store = CpuValueStore(1 << 40, torch.bfloat16, chunk_size=8, head_dim=128, pin_memory=False)
+    assert store.allocated_bytes == 0 and store.capacity_bytes == 1 << 40
+    src = torch.randn(8, 300, 8, 128).bfloat16()
+    store.put("k", src)
+    assert store.used_bytes == store.bytes_needed(8, 300) <= store.allocated_bytes
+    assert store.allocated_bytes <= 2 * store.used_bytes  # the pool grows by doubling at most
+    assert torch.equal(store.gather("k", torch.tensor([7]), torch.tensor([299]))[0], src[7, 299])
+    assert store.allocated_bytes < 1e-4 * store.capacity_bytes
+
+
+def test_gather_into_on_cpu_and_counters():
+    store = make_store(dtype=torch.bfloat16)
+    src = values(3, 9, torch.bfloat16)
+    store.put("k", src)
+    assert store.bytes_put == src.numel() * 2 and store.bytes_fetched == 0
+    h, ch = torch.tensor([2, 0, 1, 2]), torch.tensor([8, 0, 4, 8])
+    out = torch.zeros(6, C, D, dtype=torch.bfloat16)
+    view = out[1:5]
+    assert store.gather_into("k", h, ch, view) is view
+    assert torch.equal(out[1:5], src[h, ch]) and (out[0] == 0).all() and (out[5] == 0).all()
+    row_bytes = C * D * 2
+    assert store.bytes_fetched == 4 * row_bytes
+    store.gather("k", h[:2], ch[:2])
+    assert store.bytes_fetched == 6 * row_bytes
+    store.free("k")
+    assert store.bytes_put == src.numel() * 2  # cumulative: freeing does not rewind counters
+
+
+def _rope(head_dim, max_position):
+    inv_freq = 1.0 / 10000.0 ** (torch.arange(0, head_dim, 2).float() / head_dim)
+    freqs = torch.outer(torch.arange(max_position).float(), inv_freq)
+    return RopeCache(torch.cat((freqs.cos(), freqs.sin()), dim=-1), head_dim, True)
+
+
+def test_decode_step_is_identical_with_the_in_memory_store():
+    """The store satisfies the core protocol: a sparse decode run (budget below the context, so
+    selection, hits and misses all happen) gives bit-identical outputs with either store."""
+    torch.manual_seed(3)
+    h_kv, group, d, lengths = 2, 4, D, [300, 170, 40]  # the last stays exact
+    rope = _rope(d, 512)
+    pos = torch.cat([torch.arange(n) for n in lengths])
+    keys = apply_rope(torch.randn(sum(lengths), h_kv, d), pos, rope)
+    vals = torch.randn(sum(lengths), h_kv, d)
+    params = ShadowKVParams(rank=16, chunk_size=C, sparse_budget=4 * C, outlier_chunks=2,
+                            local_chunks=2, min_compress_tokens=100)
+    ids = [("a", 0), ("b", 0), ("c", 0)]
+    cu = [0] + torch.tensor(lengths).cumsum(0).tolist()
+    stores = [InMemoryValueStore(), make_store(page_rows=8)]
+    batches = [DecodeBatch.build(compress_prompts(keys, vals, pos, cu, rope, params, s, ids),
+                                 ids, rope, params) for s in stores]
+    assert stores[1].num_keys == 2  # the exact request puts nothing
+    for step in range(4):
+        q = torch.randn(3, 1, h_kv * group, d)
+        new_pos = torch.tensor(lengths).view(3, 1) + step
+        k_new = torch.stack([apply_rope(torch.randn(1, h_kv, d), p, rope) for p in new_pos])
+        v_new = torch.randn(3, 1, h_kv, d)
+        outs = [decode_step(b, q, k_new, v_new, s) for b, s in zip(batches, stores)]
+        assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    assert stores[1].bytes_fetched > 0
+    for key in ids:
+        stores[1].free(key)
+    assert stores[1].used_bytes == 0

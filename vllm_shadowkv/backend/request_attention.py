@@ -1,0 +1,85 @@
+"""Attention of one request in one layer, in whichever phase the request is.
+
+* exact: short requests, and long ones while their prompt is prefilled (staging pages);
+* compress: the step that completes a long prompt also compresses it (after its exact attention);
+* sparse: later steps decode with the core's ShadowKV ``decode_step`` over the request's pages.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_shadowkv.backend import pages
+from vllm_shadowkv.backend.layout import PageLayout
+from vllm_shadowkv.backend.worker_state import RequestStats
+from vllm_shadowkv.core.compress import compress_prompt
+from vllm_shadowkv.core.decode import DecodeBatch, decode_step
+from vllm_shadowkv.core.rope import RopeCache
+from vllm_shadowkv.core.store import ValueStore
+
+
+def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """The last ``q`` positions of a sequence attend all its ``s`` keys, causally.
+
+    query ``[q, Hq, d]``; key, value ``[s, Hkv, d]`` -> ``[q, Hq, d]``, computed in fp32.
+    """
+    q_len, s_len = query.shape[0], key.shape[0]
+    mask = None
+    if q_len > 1:  # query i sits at position s - q + i
+        rows = torch.arange(s_len - q_len, s_len, device=query.device)[:, None]
+        mask = torch.arange(s_len, device=query.device)[None, :] <= rows
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query.transpose(0, 1).float(), key.transpose(0, 1).float(),
+        value.transpose(0, 1).float(), attn_mask=mask, scale=scale, enable_gqa=True,
+    )
+    return out.transpose(0, 1).to(query.dtype)
+
+
+def exact_attention(kv_cache, layout: PageLayout, prompt_len: int, block_ids, seq_len: int,
+                    query: torch.Tensor, scale: float) -> torch.Tensor:
+    positions = torch.arange(seq_len, device=query.device)
+    key, value = pages.read_exact(kv_cache, layout, prompt_len, block_ids, positions)
+    return causal_attention(query, key, value, scale)
+
+
+def compress(kv_cache, layout: PageLayout, prompt_len: int, block_ids, rope: RopeCache,
+             store: ValueStore, store_key) -> None:
+    """Compress a completed prompt from its staging pages into its compressed and state pages
+    (values to the store). The staging pages are freed by the block manager afterwards."""
+    positions = torch.arange(prompt_len, device=kv_cache.device)
+    keys, values = pages.read_exact(kv_cache, layout, prompt_len, block_ids, positions)
+    prompt = compress_prompt(keys, values, positions, rope, layout.params, store, store_key)
+    pages.write_compressed(kv_cache, layout, prompt_len, block_ids, prompt, keys)
+
+
+def sparse_attention(kv_cache, layout: PageLayout, prompt_len: int, block_ids, seq_len: int,
+                     query, key, value, rope: RopeCache, store: ValueStore, store_key,
+                     scale: float, stats: RequestStats) -> torch.Tensor:
+    """ShadowKV decode: query ``[s_q, Hq, d]``; key/value ``[s_q, Hkv, d]`` are this step's
+    tokens (already written to the generated-token pages)."""
+    s_q = query.shape[0]
+    state = pages.read_sparse_state(kv_cache, layout, prompt_len, block_ids)
+    gen_positions = torch.arange(prompt_len, seq_len - s_q, device=query.device)
+    gen_k, gen_v = pages.read_exact(kv_cache, layout, prompt_len, block_ids, gen_positions)
+    batch = DecodeBatch.build([state.prompt], [store_key], rope, layout.params,
+                              gen_capacity=len(gen_positions) + s_q)
+    batch.slot_chunks, batch.slot_k, batch.slot_v = (
+        state.slot_chunks[None], state.slot_k[None], state.slot_v[None])
+    batch.gen_k[0, :, : len(gen_positions)] = gen_k.transpose(0, 1)
+    batch.gen_v[0, :, : len(gen_positions)] = gen_v.transpose(0, 1)
+    batch.gen_len[0] = len(gen_positions)
+    before = state.slot_chunks
+    out, _ = decode_step(batch, query[None], key[None], value[None], store, scale)
+    state.slot_chunks, state.slot_k, state.slot_v = (
+        batch.slot_chunks[0], batch.slot_k[0], batch.slot_v[0])
+    pages.write_slots(kv_cache, layout, prompt_len, block_ids, state)
+
+    selected = int((state.slot_chunks >= 0).sum())
+    hits = int(((state.slot_chunks == before) & (before >= 0)).sum())
+    chunk_bytes = layout.config.chunk_size * layout.head_size * layout.elem_bytes
+    stats.decode_steps += 1
+    stats.selected += selected
+    stats.hits += hits
+    stats.bytes_fetched += (selected - hits) * chunk_bytes
+    return out[0]

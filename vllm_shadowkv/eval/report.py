@@ -1,0 +1,118 @@
+"""Aggregate scored records into accuracy tables (JSON, Markdown) and plots (PNG)."""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from pathlib import Path
+
+
+def _mean(xs) -> float:
+    xs = list(xs)
+    return 100.0 * sum(xs) / len(xs) if xs else float("nan")
+
+
+def summarize(records: list[dict]) -> dict:
+    """Accuracy (%) per backend x task x length, and per backend x depth x length (needles)."""
+    by_task, by_depth = defaultdict(list), defaultdict(list)
+    for r in records:
+        by_task[(r["backend"], r["task"], r["length"])].append(r["score"])
+        if r["depth"] is not None:
+            by_depth[(r["backend"], r["depth"], r["length"])].append(r["score"])
+    return {
+        "by_task": [{"backend": b, "task": t, "length": n, "accuracy": _mean(s), "samples": len(s)}
+                    for (b, t, n), s in sorted(by_task.items())],
+        "by_depth": [{"backend": b, "depth": d, "length": n, "accuracy": _mean(s), "samples": len(s)}
+                     for (b, d, n), s in sorted(by_depth.items())],
+    }
+
+
+def markdown(summary: dict, backends: list[str]) -> str:
+    """A task x length table with one column per backend, then a depth x length table each."""
+    acc = {(r["backend"], r["task"], r["length"]): r for r in summary["by_task"]}
+    tasks = sorted({r["task"] for r in summary["by_task"]})
+    lengths = sorted({r["length"] for r in summary["by_task"]})
+    lines = ["| task | length | " + " | ".join(f"`{b}`" for b in backends) + " |",
+             "|---|---:|" + "---:|" * len(backends)]
+    for task in tasks:
+        for n in lengths:
+            cells = [acc.get((b, task, n)) for b in backends]
+            if any(cells):
+                lines.append(f"| {task} | {n} | " + " | ".join(
+                    f"{c['accuracy']:.1f}" if c else "" for c in cells) + " |")
+    for n in lengths:
+        cells = [[r["accuracy"] for r in summary["by_task"] if r["backend"] == b and r["length"] == n]
+                 for b in backends]
+        lines.append(f"| **mean** | {n} | " + " | ".join(
+            f"**{sum(c) / len(c):.1f}**" if c else "" for c in cells) + " |")
+    for b in backends:
+        depth = {(r["depth"], r["length"]): r["accuracy"] for r in summary["by_depth"] if r["backend"] == b}
+        if not depth:
+            continue
+        ns = sorted({n for _, n in depth})
+        lines += ["", f"Needle tasks, `{b}`: accuracy (%) by depth (rows) and length (columns)", "",
+                  "| depth | " + " | ".join(str(n) for n in ns) + " |", "|---:|" + "---:|" * len(ns)]
+        for d in sorted({d for d, _ in depth}):
+            lines.append(f"| {d:g} | " + " | ".join(
+                f"{depth[(d, n)]:.0f}" if (d, n) in depth else "" for n in ns) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def slug(label: str) -> str:
+    return re.sub(r"[^A-Za-z0-9]+", "_", label).strip("_") or "backend"
+
+
+def plots(summary: dict, backends: list[str], out: Path) -> list[Path]:
+    """accuracy_vs_length.png (a panel per task, a line per backend) and heatmap_<backend>.png."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    tasks = sorted({r["task"] for r in summary["by_task"]})
+    cols = min(3, len(tasks))
+    rows = -(-len(tasks) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.2 * rows), squeeze=False)
+    for ax, task in zip(axes.flat, tasks):
+        for b in backends:
+            pts = sorted((r["length"], r["accuracy"]) for r in summary["by_task"]
+                         if r["backend"] == b and r["task"] == task)
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=b)
+        ax.set_title(task)
+        ax.set_xscale("log", base=2)
+        ax.set_ylim(-5, 105)
+        ax.set_xlabel("context length (tokens)")
+        ax.set_ylabel("accuracy (%)")
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(tasks):]:
+        ax.axis("off")
+    axes.flat[0].legend(fontsize=7)
+    fig.tight_layout()
+    paths.append(out / "accuracy_vs_length.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+
+    for b in backends:
+        cells = {(r["depth"], r["length"]): r["accuracy"] for r in summary["by_depth"] if r["backend"] == b}
+        if not cells:
+            continue
+        depths, lengths = sorted({d for d, _ in cells}), sorted({n for _, n in cells})
+        grid = [[cells.get((d, n), float("nan")) for n in lengths] for d in depths]
+        fig, ax = plt.subplots(figsize=(1.2 + 1.1 * len(lengths), 1.2 + 0.5 * len(depths)))
+        im = ax.imshow(grid, vmin=0, vmax=100, cmap="RdYlGn", aspect="auto")
+        ax.set_xticks(range(len(lengths)), [str(n) for n in lengths])
+        ax.set_yticks(range(len(depths)), [f"{d:g}" for d in depths])
+        for i, row in enumerate(grid):
+            for j, v in enumerate(row):
+                ax.text(j, i, f"{v:.0f}", ha="center", va="center", fontsize=8)
+        ax.set_xlabel("context length (tokens)")
+        ax.set_ylabel("needle depth")
+        ax.set_title(f"needle tasks: {b}", fontsize=9)
+        fig.colorbar(im, ax=ax, label="accuracy (%)")
+        fig.tight_layout()
+        paths.append(out / f"heatmap_{slug(b)}.png")
+        fig.savefig(paths[-1], dpi=110)
+        plt.close(fig)
+    return paths

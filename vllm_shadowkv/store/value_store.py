@@ -1,0 +1,198 @@
+"""Bounded CPU pool for the values of compressed chunks (DESIGN.md §2 item 4).
+
+A row is one chunk of one KV head, [chunk_size, head_dim], the unit a decode step fetches. Rows
+live in fixed-size pages of `page_rows` rows. A key (one request, one layer) owns a list of
+pages; row (h, ch) of a put of [h_kv, n_chunks, c, d] is logical row h * n_chunks + ch of that
+list. Freed pages go back to a free list that later puts take from, so the pool cannot fragment:
+a put fits whenever enough pages are free, wherever they are.
+
+Pages are slices of a few large extents, allocated only when the free list runs short (the
+default capacity, 16 GiB, must not be taken up front) and kept for reuse. Extents double in size
+up to 1 GiB, so there are few of them: a gather is one index_select per extent the key touches,
+not one per page.
+"""
+
+from collections.abc import Hashable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+_MAX_EXTENT_BYTES = 1 << 30
+
+
+def _pow2_floor(n: int) -> int:
+    return 1 << (n.bit_length() - 1)
+
+
+class ValueStoreFull(RuntimeError):
+    """A put needs more pages than the capacity has free."""
+
+
+@dataclass
+class _Entry:
+    num_heads: int
+    num_chunks: int
+    pages: list[int]  # global page ids, in logical order
+    page_extent: torch.Tensor  # [n_pages] int64, extent holding each page
+    page_base: torch.Tensor  # [n_pages] int64, first row of each page within its extent
+    extents: list[int]  # the distinct extents, for the per-extent loops
+
+
+class CpuValueStore:
+    """Implements `vllm_shadowkv.core.store.ValueStore` within `capacity_bytes`. Pinned memory by
+    default where CUDA is available, so the pool is DMA-able. Not thread-safe."""
+
+    def __init__(self, capacity_bytes: int, dtype: torch.dtype, chunk_size: int, head_dim: int,
+                 page_rows: int = 256, pin_memory: bool | None = None):
+        if capacity_bytes < 0 or min(chunk_size, head_dim, page_rows) < 1:
+            raise ValueError(f"CpuValueStore: capacity_bytes={capacity_bytes} must be >= 0 and "
+                             f"chunk_size={chunk_size}, head_dim={head_dim}, "
+                             f"page_rows={page_rows} >= 1")
+        self.dtype, self.chunk_size, self.head_dim = dtype, chunk_size, head_dim
+        self.page_rows = page_rows
+        self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
+        self.row_bytes = chunk_size * head_dim * dtype.itemsize
+        self.page_bytes = page_rows * self.row_bytes
+        self._max_pages = capacity_bytes // self.page_bytes  # whole pages, never above capacity
+        self._max_extent_pages = _pow2_floor(max(1, _MAX_EXTENT_BYTES // self.page_bytes))
+        self._extents: list[torch.Tensor] = []  # [rows, c, d] each
+        self._page_extent: list[int] = []  # by global page id
+        self._page_base: list[int] = []
+        self._free: list[int] = []
+        self._entries: dict[Hashable, _Entry] = {}
+        self.bytes_put = 0  # cumulative, for metrics
+        self.bytes_fetched = 0
+
+    @property
+    def capacity_bytes(self) -> int:
+        """The configured capacity rounded down to whole pages."""
+        return self._max_pages * self.page_bytes
+
+    @property
+    def allocated_bytes(self) -> int:
+        return len(self._page_extent) * self.page_bytes
+
+    @property
+    def used_bytes(self) -> int:
+        return (len(self._page_extent) - len(self._free)) * self.page_bytes
+
+    @property
+    def num_keys(self) -> int:
+        return len(self._entries)
+
+    def bytes_needed(self, num_heads: int, num_chunks: int) -> int:
+        """What a put of [num_heads, num_chunks, c, d] takes: whole pages."""
+        return -(-num_heads * num_chunks // self.page_rows) * self.page_bytes
+
+    def can_fit(self, nbytes: int) -> bool:
+        return nbytes <= self.capacity_bytes - self.used_bytes
+
+    def put(self, key: Hashable, values: torch.Tensor) -> None:
+        if key in self._entries:
+            raise ValueError(f"value store: key {key!r} is already stored; free it first")
+        if (values.dim() != 4 or tuple(values.shape[2:]) != (self.chunk_size, self.head_dim)
+                or values.dtype != self.dtype):
+            raise ValueError(f"value store: values for {key!r} are {tuple(values.shape)} "
+                             f"{values.dtype}, expected [h_kv, n_chunks, {self.chunk_size}, "
+                             f"{self.head_dim}] {self.dtype}")
+        num_heads, num_chunks = values.shape[:2]
+        needed = self.bytes_needed(num_heads, num_chunks)
+        if not self.can_fit(needed):
+            free = self.capacity_bytes - self.used_bytes
+            raise ValueStoreFull(
+                f"ShadowKV value store full: request {key!r} needs {needed} bytes "
+                f"({num_heads} KV heads x {num_chunks} chunks), {free} bytes free of a "
+                f"{self.capacity_bytes}-byte capacity ({self.capacity_bytes / 2**30:.2f} GiB); "
+                f"raise shadowkv.value_store_gib")
+        num_pages = needed // self.page_bytes
+        self._grow(num_pages)
+        split = len(self._free) - num_pages
+        pages = self._free[split:]
+        del self._free[split:]
+        entry = _Entry(num_heads, num_chunks, pages,
+                       torch.tensor([self._page_extent[p] for p in pages], dtype=torch.long),
+                       torch.tensor([self._page_base[p] for p in pages], dtype=torch.long),
+                       sorted({self._page_extent[p] for p in pages}))
+        rows = values.reshape(-1, self.chunk_size, self.head_dim).cpu()
+        for extent, at, local in self._by_extent(entry, torch.arange(len(rows))):
+            extent.index_copy_(0, local, rows if at is None else rows[at])
+        self._entries[key] = entry
+        self.bytes_put += values.numel() * values.element_size()
+
+    def gather(self, key: Hashable, heads: torch.Tensor, chunks: torch.Tensor) -> torch.Tensor:
+        """Rows (heads[i], chunks[i]) of `key` -> [M, c, d] on the CPU."""
+        return self._gather(key, heads, chunks, pin=False)
+
+    def gather_into(self, key: Hashable, heads: torch.Tensor, chunks: torch.Tensor,
+                    out: torch.Tensor, non_blocking: bool = True) -> torch.Tensor:
+        """`gather` into `out` [M, c, d] on any device. To CUDA the rows are staged in pinned
+        memory and copied asynchronously on the current stream (run this under the caller's copy
+        stream to overlap it). No sync is needed before the staging buffer is dropped: torch's
+        pinned allocator does not reuse it until the copy's recorded event completes."""
+        staged = self._gather(key, heads, chunks, pin=out.is_cuda)
+        out.copy_(staged, non_blocking=non_blocking and out.is_cuda)
+        return out
+
+    def free(self, key: Hashable) -> None:
+        """Give the key's pages back; unknown keys are ignored (requests aborted before a put)."""
+        entry = self._entries.pop(key, None)
+        if entry is not None:
+            self._free.extend(entry.pages)
+
+    def clear(self) -> None:
+        """Free every key. The extents stay allocated for reuse."""
+        for key in list(self._entries):
+            self.free(key)
+
+    def _grow(self, num_pages: int) -> None:
+        """Allocate extents until `num_pages` pages are free; the caller checked the capacity.
+        An extent is at least the pool so far (doubling), at most 1 GiB, and a power of two
+        pages: torch's pinned allocator rounds every block up to a power of two bytes, so with
+        the usual power-of-two page size nothing is pinned beyond `allocated_bytes`."""
+        while len(self._free) < num_pages:
+            allocated = len(self._page_extent)
+            want = max(num_pages - len(self._free), allocated)
+            size = min(1 << (want - 1).bit_length(), self._max_extent_pages,
+                       _pow2_floor(self._max_pages - allocated))
+            extent_id = len(self._extents)
+            self._extents.append(torch.empty((size * self.page_rows, self.chunk_size,
+                                              self.head_dim), dtype=self.dtype,
+                                             pin_memory=self.pin_memory))
+            self._page_extent += [extent_id] * size
+            self._page_base += range(0, size * self.page_rows, self.page_rows)
+            self._free += range(allocated, allocated + size)
+
+    def _gather(self, key: Hashable, heads: torch.Tensor, chunks: torch.Tensor,
+                pin: bool) -> torch.Tensor:
+        entry = self._entries.get(key)
+        if entry is None:
+            raise KeyError(f"value store has no values for key {key!r} (never put, or freed)")
+        heads, chunks = heads.cpu().long(), chunks.cpu().long()
+        if len(heads) and not (0 <= heads.min() and heads.max() < entry.num_heads
+                               and 0 <= chunks.min() and chunks.max() < entry.num_chunks):
+            raise IndexError(f"value store: key {key!r} holds {entry.num_heads} heads x "
+                             f"{entry.num_chunks} chunks; asked for heads {heads.tolist()}, "
+                             f"chunks {chunks.tolist()}")
+        out = torch.empty((len(heads), self.chunk_size, self.head_dim), dtype=self.dtype,
+                          pin_memory=pin)
+        for extent, at, local in self._by_extent(entry, heads * entry.num_chunks + chunks):
+            if at is None:
+                torch.index_select(extent, 0, local, out=out)
+            else:
+                out[at] = extent.index_select(0, local)
+        self.bytes_fetched += out.numel() * out.element_size()
+        return out
+
+    def _by_extent(self, entry: _Entry, rows: torch.Tensor
+                   ) -> Iterator[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]]:
+        """Per extent the logical `rows` touch: (extent, positions in `rows` or None for all,
+        row indices within the extent). Vectorised: no Python loop over rows or pages."""
+        page = rows // self.page_rows
+        extent_of, local = entry.page_extent[page], entry.page_base[page] + rows % self.page_rows
+        if len(entry.extents) == 1:
+            yield self._extents[entry.extents[0]], None, local
+            return
+        for extent_id in entry.extents:
+            at = (extent_of == extent_id).nonzero().squeeze(1)
+            if len(at):
+                yield self._extents[extent_id], at, local[at]
