@@ -28,10 +28,17 @@ def apply() -> None:
 
         STATE.runner_ref = weakref.ref(self)
         STATE.release(released_requests(scheduler_output))
+        STATE.report(_logger())
         return original(self, scheduler_output)
 
     _update_states._shadowkv_original = original
     GPUModelRunner._update_states = _update_states
+
+
+def _logger():
+    from vllm.logger import init_logger
+
+    return init_logger("vllm.vllm_shadowkv")
 
 
 def released_requests(scheduler_output) -> set[str]:

@@ -38,6 +38,11 @@ class ShadowKVConfig:
     max_staging_requests: int = 1
     """Long prompts held exactly at once while they are prefilled, before compression: bounds
     the transient full-size KV of compressions in flight. More wait for their turn."""
+    measure_fidelity: bool = False
+    """Diagnostic: keep an exact copy of each compressed prompt's K/V in host memory (outside
+    every budget: not for production) and record, per layer and decode step, the relative error
+    of the sparse attention output against dense attention and the recall of the truly
+    top-attended chunks. Generation is unchanged."""
 
     @classmethod
     def from_additional_config(cls, additional_config: Any) -> ShadowKVConfig:
@@ -72,7 +77,7 @@ class ShadowKVConfig:
             )
         values = {}
         for key, value in raw.items():
-            want = float if known[key].type in ("float", float) else int
+            want = {"float": float, "bool": bool}.get(known[key].type, int)
             values[key] = _typed(key, value, want)
         config = cls(**values)
         config._check_ranges()
@@ -116,12 +121,14 @@ class ShadowKVConfig:
         return self.sparse_budget // self.chunk_size
 
 
-def _typed(key: str, value: Any, want: type) -> int | float:
+def _typed(key: str, value: Any, want: type) -> int | float | bool:
     ok = isinstance(value, int) and not isinstance(value, bool)
     if want is float:
         ok = ok or isinstance(value, float)
+    if want is bool:
+        ok = isinstance(value, bool)
     if not ok:
-        kind = "an integer" if want is int else "a number"
+        kind = {int: "an integer", float: "a number", bool: "true or false"}[want]
         raise ShadowKVConfigError(
             f"{CONFIG_KEY}.{key} must be {kind}, got {value!r} ({type(value).__name__})"
         )

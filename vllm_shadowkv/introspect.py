@@ -33,7 +33,8 @@ class ShadowKVWorkerExtension:
         from vllm_shadowkv.backend.worker_state import STATE
 
         def row(stats):
-            return asdict(stats) | {"hit_rate": stats.hit_rate}
+            return asdict(stats) | {"hit_rate": stats.hit_rate,
+                                    "fidelity": stats.fidelity_means()}
 
         store = STATE._store
         return {

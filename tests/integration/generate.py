@@ -3,7 +3,8 @@
 usage: generate.py REQUEST.json RESULT.json
 REQUEST: {"model", "attention_backend" (or null), "batches": [[prompt, ...], ...],
           "max_tokens", "engine_kwargs": {...}}
-RESULT:  {"backends": {layer: backend name}, "batches": [[{"token_ids", "logprobs"}, ...], ...]}
+RESULT:  {"backends": {layer: backend name}, "batches": [[{"token_ids", "logprobs"}, ...], ...],
+          "stats": [shadowkv_stats after each batch] (shadowkv only)}
 """
 
 import json
@@ -27,6 +28,8 @@ if __name__ == "__main__":  # vLLM spawns its engine core: keep the entry point 
     result = {"backends": llm.collective_rpc("shadowkv_attention_backends")[0], "batches": []}
     for prompts in request["batches"]:
         outputs = llm.generate(prompts, params, use_tqdm=False)
+        if request.get("attention_backend"):
+            result.setdefault("stats", []).append(llm.collective_rpc("shadowkv_stats")[0])
         result["batches"].append([
             {
                 "token_ids": list(o.outputs[0].token_ids),

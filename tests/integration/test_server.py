@@ -48,3 +48,32 @@ def test_chat(server):
     })
     assert reply["choices"][0]["message"]["role"] == "assistant"
     assert reply["usage"]["completion_tokens"] == 8
+
+
+def test_long_request_runs_sparse_and_shows_in_metrics(server):
+    """A prompt above min_sparse_len (1024 here) decodes sparsely; /metrics says so."""
+    import re
+    import time
+    import urllib.request
+
+    base, model = server
+    prompt = "The quick brown fox jumps over the lazy dog. " * 40  # ~1.8K tokens
+    reply = post_json(base + "/v1/completions", {
+        "model": model, "prompt": prompt, "max_tokens": 8, "temperature": 0,
+    })
+    assert reply["usage"]["prompt_tokens"] > 1024
+    metrics, deadline = "", time.time() + 30
+    while time.time() < deadline:  # the workers' snapshot lands within a step or two
+        metrics = urllib.request.urlopen(base + "/metrics", timeout=10).read().decode()
+        found = re.search(r'^shadowkv_requests_finished_total\{mode="sparse"\} (\S+)', metrics,
+                          re.M)
+        if found and float(found.group(1)) >= 1:
+            break
+        post_json(base + "/v1/completions", {"model": model, "prompt": "hi", "max_tokens": 1})
+        time.sleep(1)
+    else:
+        raise AssertionError("no finished sparse request in /metrics:\n"
+                             + "\n".join(l for l in metrics.splitlines() if "shadowkv" in l))
+    selected = re.search(r"^shadowkv_selected_chunks_total (\S+)", metrics, re.M)
+    assert selected and float(selected.group(1)) > 0
+    assert re.search(r"^shadowkv_value_store_capacity_bytes (\S+)", metrics, re.M)

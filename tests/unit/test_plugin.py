@@ -75,9 +75,37 @@ def test_patches_are_installed_on_the_live_vllm():
     from vllm.platforms import current_platform
     from vllm.platforms.cpu import CpuPlatform
 
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
     plugin.register()
     assert CpuPlatform.get_attn_backend_cls.__func__._shadowkv_original is not None
     assert type(current_platform).check_and_update_config.__func__._shadowkv_original is not None
+    assert GPUModelRunner._update_states._shadowkv_original is not None
+
+
+def test_released_requests_are_finished_preempted_and_resumed():
+    from types import SimpleNamespace
+
+    from vllm_shadowkv.patches.runner_requests import released_requests
+
+    output = SimpleNamespace(
+        finished_req_ids={"done", "aborted"}, preempted_req_ids={"pre"},
+        scheduled_cached_reqs=SimpleNamespace(resumed_req_ids={"resumed"}))
+    assert released_requests(output) == {"done", "aborted", "pre", "resumed"}
+    output.preempted_req_ids = None
+    assert released_requests(output) == {"done", "aborted", "resumed"}
+
+
+def test_kv_spec_is_registered_with_its_manager():
+    from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
+
+    from vllm_shadowkv.backend.kv_spec import ShadowKVManager, ShadowKVSpec
+
+    plugin.register()
+    spec = ShadowKVSpec(block_size=128, num_kv_heads=8, head_size=128, dtype=__import__(
+        "torch").bfloat16, num_head_slots=1, state_content_bytes=576)
+    assert KVCacheSpecRegistry.get_manager_class(spec) is ShadowKVManager
+    assert spec.page_size_bytes == 128 * 576
 
 
 def test_triton_kernels_is_not_a_top_level_module(tmp_path):

@@ -216,24 +216,26 @@ class ShadowKVImpl(AttentionImpl[ShadowKVMetadata]):
                 continue
             prompt_len, seq_len, blocks = m.prompt_lens[i], m.seq_lens[i], m.block_table[i]
             sparse = req_id is not None and layout.is_sparse(prompt_len)
+            if req_id is not None:
+                stats = STATE.request(req_id, prompt_len, sparse)
             if sparse and seq_len - (end - start) >= prompt_len:
-                stats = STATE.request(req_id, prompt_len)
-                stats.mode = "sparse"
+                store_key = (req_id, self._index_of(layer))
                 out[start:end] = request_attention.sparse_attention(
                     kv_cache, layout, prompt_len, blocks, seq_len, query[start:end],
-                    key[start:end], value[start:end], self._rope_of(layer), STATE.value_store(layout),
-                    (req_id, self._index_of(layer)), self.scale, stats)
+                    key[start:end], value[start:end], self._rope_of(layer),
+                    STATE.value_store(layout), store_key, self.scale, stats,
+                    reference=STATE.reference_kv.get(store_key))
                 continue
-            if req_id is not None:
-                STATE.request(req_id, prompt_len)
             out[start:end] = request_attention.exact_attention(
                 kv_cache, layout, prompt_len, blocks, seq_len, query[start:end], self.scale)
             if sparse and seq_len >= prompt_len:  # this step completed the prompt
                 layer_index = self._index_of(layer)
-                request_attention.compress(kv_cache, layout, prompt_len, blocks,
-                                           self._rope_of(layer), STATE.value_store(layout),
-                                           (req_id, layer_index))
+                exact_kv = request_attention.compress(
+                    kv_cache, layout, prompt_len, blocks, self._rope_of(layer),
+                    STATE.value_store(layout), (req_id, layer_index))
                 STATE.compressed.setdefault(req_id, set()).add(layer_index)
+                if layout.config.measure_fidelity:
+                    STATE.reference_kv[(req_id, layer_index)] = tuple(t.cpu() for t in exact_kv)
         return output
 
     def _index_of(self, layer) -> int:

@@ -28,6 +28,7 @@ import torch
 
 from vllm_shadowkv.config import ShadowKVConfig
 from vllm_shadowkv.core.params import ShadowKVParams
+from vllm_shadowkv.store import PAGE_ROWS
 
 ALIGN = 16  # bytes; keeps every state field aligned for any dtype view
 
@@ -151,8 +152,11 @@ class PageLayout:
         return self.packed_blocks(prompt_len) + self.state_blocks(prompt_len)
 
     def value_store_bytes(self, prompt_len: int, num_layers: int) -> int:
-        """CPU value-store bytes of a request (all compressed tokens' values, every layer)."""
-        return self.compressed_tokens(prompt_len) * self.key_width * self.elem_bytes * num_layers
+        """CPU value-store bytes of a request: every compressed chunk's values, per KV head, in
+        the store's whole pages (what ``CpuValueStore.put`` takes), every layer."""
+        rows = self.compressed_tokens(prompt_len) // self.config.chunk_size * self.num_kv_heads
+        row_bytes = self.config.chunk_size * self.head_size * self.elem_bytes
+        return -(-rows // PAGE_ROWS) * PAGE_ROWS * row_bytes * num_layers
 
     def token_block(self, prompt_len: int, position: int) -> tuple[int, int]:
         """(index in the request's block list, exact slot in that page) of an exact token."""

@@ -20,6 +20,9 @@ _ROPE_KEYS = ("rope_parameters", "rope_theta", "rope_scaling", "rotary_emb_base"
 def validate_engine(vllm_config) -> ShadowKVConfig:
     """Parse the settings and check model and options; return the config the engine will use."""
     config = ShadowKVConfig.from_additional_config(vllm_config.additional_config)
+    from vllm_shadowkv.metrics import register_collector
+
+    register_collector()  # before the engine processes spawn: they inherit the stats directory
     if vllm_config.cache_config.enable_prefix_caching:
         # Compressed pages are per request (their own low-rank basis): no block is shareable.
         logger.warning("shadowkv: prefix caching is not supported with compressed pages; "

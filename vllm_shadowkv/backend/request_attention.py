@@ -14,6 +14,7 @@ from vllm_shadowkv.backend.layout import PageLayout
 from vllm_shadowkv.backend.worker_state import RequestStats
 from vllm_shadowkv.core.compress import compress_prompt
 from vllm_shadowkv.core.decode import DecodeBatch, decode_step
+from vllm_shadowkv.core.fidelity import attended_chunks, chunk_attention_mass, measure_fidelity
 from vllm_shadowkv.core.rope import RopeCache
 from vllm_shadowkv.core.store import ValueStore
 
@@ -44,20 +45,23 @@ def exact_attention(kv_cache, layout: PageLayout, prompt_len: int, block_ids, se
 
 
 def compress(kv_cache, layout: PageLayout, prompt_len: int, block_ids, rope: RopeCache,
-             store: ValueStore, store_key) -> None:
+             store: ValueStore, store_key) -> tuple[torch.Tensor, torch.Tensor]:
     """Compress a completed prompt from its staging pages into its compressed and state pages
-    (values to the store). The staging pages are freed by the block manager afterwards."""
+    (values to the store); the staging pages are freed by the block manager afterwards. Returns
+    the exact prompt keys and values (post-RoPE), e.g. for a fidelity reference."""
     positions = torch.arange(prompt_len, device=kv_cache.device)
     keys, values = pages.read_exact(kv_cache, layout, prompt_len, block_ids, positions)
     prompt = compress_prompt(keys, values, positions, rope, layout.params, store, store_key)
     pages.write_compressed(kv_cache, layout, prompt_len, block_ids, prompt, keys)
+    return keys, values
 
 
 def sparse_attention(kv_cache, layout: PageLayout, prompt_len: int, block_ids, seq_len: int,
                      query, key, value, rope: RopeCache, store: ValueStore, store_key,
-                     scale: float, stats: RequestStats) -> torch.Tensor:
+                     scale: float, stats: RequestStats, reference=None) -> torch.Tensor:
     """ShadowKV decode: query ``[s_q, Hq, d]``; key/value ``[s_q, Hkv, d]`` are this step's
-    tokens (already written to the generated-token pages)."""
+    tokens (already written to the generated-token pages). ``reference``: the exact prompt
+    (keys, values) to measure this step's fidelity against, or None."""
     s_q = query.shape[0]
     state = pages.read_sparse_state(kv_cache, layout, prompt_len, block_ids)
     gen_positions = torch.arange(prompt_len, seq_len - s_q, device=query.device)
@@ -82,4 +86,20 @@ def sparse_attention(kv_cache, layout: PageLayout, prompt_len: int, block_ids, s
     stats.selected += selected
     stats.hits += hits
     stats.bytes_fetched += (selected - hits) * chunk_bytes
+    if reference is not None:
+        _record_fidelity(layout, state, reference, gen_k, gen_v, query, key, value, out[0],
+                         scale, stats, store_key[1])
     return out[0]
+
+
+def _record_fidelity(layout, state, reference, gen_k, gen_v, query, key, value, out, scale,
+                     stats: RequestStats, layer: int, top: int = 8) -> None:
+    """Dense attention over the exact prompt + generated tokens vs the sparse output, and the
+    recall of each KV head's ``top`` chunks of largest dense attention mass."""
+    ref_k, ref_v = (t.to(query.device) for t in reference)
+    all_k, all_v = torch.cat([ref_k, gen_k, key]), torch.cat([ref_v, gen_v, value])
+    dense = causal_attention(query, all_k, all_v, scale)
+    mass = chunk_attention_mass(query, ref_k, layout.config.chunk_size, scale)
+    attended = attended_chunks(state.prompt, state.slot_chunks, layout.params)
+    fid = measure_fidelity(out, dense, mass, attended, min(top, mass.shape[1]))
+    stats.record_fidelity(layer, fid.relative_error, fid.chunk_recall)

@@ -7,8 +7,11 @@ the model runner each step, and the ids to release, before the runner updates it
 
 from __future__ import annotations
 
+import json
+import os
+import time
 import weakref
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -16,6 +19,8 @@ from vllm_shadowkv.config import ShadowKVConfig
 from vllm_shadowkv.store import CpuValueStore
 
 GiB = 1 << 30
+STATS_DIR_ENV = "SHADOWKV_STATS_DIR"  # set by the plugin in the front end; workers inherit it
+LOG_EVERY_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -41,16 +46,28 @@ class EngineFacts:
 class RequestStats:
     """What one request did on this worker: its mode and, when sparse, its selection traffic."""
 
-    mode: str = "dense"  # "dense" (exact attention) or "sparse" (ShadowKV decode)
+    mode: str = "dense"  # "dense" (exact attention) or "sparse" (compressed, ShadowKV decode)
     prompt_len: int = 0
     decode_steps: int = 0  # sparse decode calls, over layers
     selected: int = 0  # selected chunk slots, over KV heads and layers
     hits: int = 0  # of which resident from the previous step
     bytes_fetched: int = 0  # values moved from the store
+    # measure_fidelity only: layer -> [sum of relative errors, sum of chunk recalls, steps]
+    fidelity: dict[int, list[float]] = field(default_factory=dict)
 
     @property
     def hit_rate(self) -> float:
         return self.hits / self.selected if self.selected else 0.0
+
+    def record_fidelity(self, layer: int, relative_error: float, chunk_recall: float) -> None:
+        sums = self.fidelity.setdefault(layer, [0.0, 0.0, 0])
+        sums[0] += relative_error
+        sums[1] += chunk_recall
+        sums[2] += 1
+
+    def fidelity_means(self) -> dict[int, dict[str, float]]:
+        return {layer: {"relative_error": e / n, "chunk_recall": r / n, "steps": n}
+                for layer, (e, r, n) in self.fidelity.items()}
 
 
 @dataclass
@@ -61,7 +78,12 @@ class WorkerState:
     # request id -> layers whose prompt is compressed (values in the store)
     compressed: dict[str, set[int]] = field(default_factory=dict)
     requests: dict[str, RequestStats] = field(default_factory=dict)
+    # measure_fidelity only: (request id, layer) -> exact prompt (keys, values) in host memory
+    reference_kv: dict = field(default_factory=dict)
     finished: deque = field(default_factory=lambda: deque(maxlen=1024))  # (req_id, stats)
+    totals: Counter = field(default_factory=Counter)  # of released requests, for metrics
+    _last_log: float = 0.0
+    _written: dict = field(default_factory=dict)
 
     def value_store(self, layout) -> CpuValueStore:
         """This worker's value store, created on first use with ``value_store_gib`` capacity
@@ -84,10 +106,11 @@ class WorkerState:
         batch = self.runner.input_batch
         return list(batch.req_ids[:num_reqs]), batch.num_prompt_tokens[:num_reqs].tolist()
 
-    def request(self, req_id: str, prompt_len: int) -> RequestStats:
+    def request(self, req_id: str, prompt_len: int, sparse: bool) -> RequestStats:
         stats = self.requests.get(req_id)
         if stats is None:
-            stats = self.requests[req_id] = RequestStats(prompt_len=prompt_len)
+            mode = "sparse" if sparse else "dense"
+            stats = self.requests[req_id] = RequestStats(mode=mode, prompt_len=prompt_len)
         return stats
 
     def release(self, req_ids: Iterable[str]) -> None:
@@ -95,9 +118,52 @@ class WorkerState:
         for req_id in req_ids:
             for layer in self.compressed.pop(req_id, ()):
                 self._store.free((req_id, layer))
+                self.reference_kv.pop((req_id, layer), None)
             stats = self.requests.pop(req_id, None)
             if stats is not None:
                 self.finished.append((req_id, stats))
+                self.totals[f"finished_{stats.mode}"] += 1
+                for key in ("selected", "hits", "bytes_fetched"):
+                    self.totals[key] += getattr(stats, key)
+
+    def snapshot(self) -> dict:
+        """Counters and gauges for metrics: cumulative over all requests, live ones included."""
+        live = Counter(s.mode for s in self.requests.values())
+        snap = {
+            "running_sparse": live["sparse"], "running_dense": live["dense"],
+            "finished_sparse": self.totals["finished_sparse"],
+            "finished_dense": self.totals["finished_dense"],
+            "store_used_bytes": self._store.used_bytes if self._store else 0,
+            "store_capacity_bytes": self._store.capacity_bytes if self._store else 0,
+        }
+        for key in ("selected", "hits", "bytes_fetched"):
+            snap[key] = self.totals[key] + sum(getattr(s, key) for s in self.requests.values())
+        return snap
+
+    def report(self, logger) -> None:
+        """Called once per engine step: when the counters changed, a snapshot file for the
+        server's Prometheus collector (``metrics.py``), and a log line at most every
+        LOG_EVERY_S."""
+        snap = self.snapshot()
+        if snap == self._written:
+            return
+        self._written = snap
+        stats_dir = os.environ.get(STATS_DIR_ENV)
+        if stats_dir:
+            path = os.path.join(stats_dir, f"worker-{os.getpid()}.json")
+            with open(path + ".tmp", "w") as f:
+                json.dump(snap, f)
+            os.replace(path + ".tmp", path)
+        now = time.monotonic()
+        if now - self._last_log >= LOG_EVERY_S:
+            self._last_log = now
+            hit_rate = snap["hits"] / snap["selected"] if snap["selected"] else 0.0
+            logger.info(
+                "shadowkv: running %d sparse / %d dense, finished %d sparse / %d dense; "
+                "hit rate %.1f%%; values fetched %.1f MiB; value store %.3f of %.2f GiB",
+                snap["running_sparse"], snap["running_dense"], snap["finished_sparse"],
+                snap["finished_dense"], 100 * hit_rate, snap["bytes_fetched"] / (1 << 20),
+                snap["store_used_bytes"] / GiB, snap["store_capacity_bytes"] / GiB)
 
 
 STATE = WorkerState()

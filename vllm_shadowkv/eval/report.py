@@ -13,22 +13,43 @@ def _mean(xs) -> float:
 
 
 def summarize(records: list[dict]) -> dict:
-    """Accuracy (%) per backend x task x length, and per backend x depth x length (needles)."""
-    by_task, by_depth = defaultdict(list), defaultdict(list)
+    """Accuracy (%) per backend x task x length, and per backend x depth x length (needles).
+
+    ``decode_accuracy``: the same over the answers that need decode steps (records whose
+    ``decode_score`` is not None; see run.decode_score). ``by_length``: for shadowkv records,
+    how many requests decoded sparsely and their mean hit rate."""
+    by_task, by_depth, decode, modes = (defaultdict(list) for _ in range(4))
     for r in records:
-        by_task[(r["backend"], r["task"], r["length"])].append(r["score"])
+        key = (r["backend"], r["task"], r["length"])
+        by_task[key].append(r["score"])
+        if r.get("decode_score") is not None:
+            decode[key].append(r["decode_score"])
         if r["depth"] is not None:
             by_depth[(r["backend"], r["depth"], r["length"])].append(r["score"])
+        if "mode" in r:
+            modes[(r["backend"], r["length"])].append(r)
     return {
-        "by_task": [{"backend": b, "task": t, "length": n, "accuracy": _mean(s), "samples": len(s)}
+        "by_task": [{"backend": b, "task": t, "length": n, "accuracy": _mean(s), "samples": len(s),
+                     "decode_accuracy": _mean(decode[(b, t, n)]) if decode[(b, t, n)] else None,
+                     "decode_samples": len(decode[(b, t, n)])}
                     for (b, t, n), s in sorted(by_task.items())],
         "by_depth": [{"backend": b, "depth": d, "length": n, "accuracy": _mean(s), "samples": len(s)}
                      for (b, d, n), s in sorted(by_depth.items())],
+        "by_length": [{"backend": b, "length": n, "requests": len(rs),
+                       "sparse": sum(r["mode"] == "sparse" for r in rs),
+                       "hit_rate": _avg([r["hit_rate"] for r in rs if r["mode"] == "sparse"])}
+                      for (b, n), rs in sorted(modes.items())],
     }
 
 
-def markdown(summary: dict, backends: list[str]) -> str:
-    """A task x length table with one column per backend, then a depth x length table each."""
+def _avg(xs) -> float | None:
+    xs = [x for x in xs if x is not None]
+    return sum(xs) / len(xs) if xs else None
+
+
+def markdown(summary: dict, backends: list[str], engines: list[dict] | None = None) -> str:
+    """A task x length table with one column per backend, the same over answers that need
+    decode steps, the engines' settings and sparse modes, then a depth x length table each."""
     acc = {(r["backend"], r["task"], r["length"]): r for r in summary["by_task"]}
     tasks = sorted({r["task"] for r in summary["by_task"]})
     lengths = sorted({r["length"] for r in summary["by_task"]})
@@ -45,6 +66,36 @@ def markdown(summary: dict, backends: list[str]) -> str:
                  for b in backends]
         lines.append(f"| **mean** | {n} | " + " | ".join(
             f"**{sum(c) / len(c):.1f}**" if c else "" for c in cells) + " |")
+    if any(r.get("decode_accuracy") is not None for r in summary["by_task"]):
+        lines += ["", "Answers that need decode steps (the first generated token comes from the "
+                  "exact prefill): accuracy (%) over them, (records)", "",
+                  "| task | length | " + " | ".join(f"`{b}`" for b in backends) + " |",
+                  "|---|---:|" + "---:|" * len(backends)]
+        for task in tasks:
+            for n in lengths:
+                cells = [acc.get((b, task, n)) for b in backends]
+                if any(c and c["decode_samples"] for c in cells):
+                    lines.append(f"| {task} | {n} | " + " | ".join(
+                        f"{c['decode_accuracy']:.1f} ({c['decode_samples']})"
+                        if c and c["decode_samples"] else "" for c in cells) + " |")
+    modes = {(r["backend"], r["length"]): r for r in summary.get("by_length", [])}
+    if engines:
+        lines += ["", "Engines (one per fixed spec, one per length for a ratio spec): settings, "
+                  "requests that decoded sparsely, their mean hit rate, engine wall time", "",
+                  "| engine | length | sparse_budget | outlier_chunks | sparse requests | "
+                  "hit rate | seconds |", "|---|---:|---:|---:|---:|---:|---:|"]
+        for e in engines:
+            ns = [e["length"]] if e["length"] is not None else sorted(
+                n for b, n in modes if b == e["backend"]) or [None]
+            for j, n in enumerate(ns):
+                m = modes.get((e["backend"], n))
+                hit = f"{m['hit_rate']:.2f}" if m and m["hit_rate"] is not None else ""
+                sparse = f"{m['sparse']}/{m['requests']}" if m else ""
+                settings = e["settings"]
+                lines.append(
+                    f"| `{e['backend']}` | {n if n is not None else 'all'} | "
+                    f"{settings.get('sparse_budget', '')} | {settings.get('outlier_chunks', '')} | "
+                    f"{sparse} | {hit} | {e['seconds'] if j == 0 else ''} |")
     for b in backends:
         depth = {(r["depth"], r["length"]): r["accuracy"] for r in summary["by_depth"] if r["backend"] == b}
         if not depth:
@@ -116,3 +167,33 @@ def plots(summary: dict, backends: list[str], out: Path) -> list[Path]:
         fig.savefig(paths[-1], dpi=110)
         plt.close(fig)
     return paths
+
+
+def merge(out: Path, dirs: list[Path]) -> dict:
+    """One report from several runs' results.json (e.g. a long context run separately, with
+    fewer samples): records and engines concatenated, tables and plots rebuilt into ``out``."""
+    import json
+
+    runs = [json.loads((Path(d) / "results.json").read_text()) for d in dirs]
+    records = [r for run in runs for r in run["records"]]
+    engines = [e for run in runs for e in run["meta"].get("engines", [])]
+    labels = list(dict.fromkeys(b for run in runs for b in run["meta"]["backends"]))
+    summary = summarize(records)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {"merged_from": [run["meta"] for run in runs], "backends": labels, "engines": engines}
+    (out / "results.json").write_text(json.dumps(
+        {"meta": meta, "summary": summary, "records": records}, indent=1) + "\n")
+    (out / "results.md").write_text(markdown(summary, labels, engines))
+    plots(summary, labels, out)
+    return summary
+
+
+if __name__ == "__main__":
+    import argparse
+
+    p = argparse.ArgumentParser(description="Merge accuracy runs: " + merge.__doc__.split(":")[0])
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("dirs", type=Path, nargs="+", help="run directories holding results.json")
+    a = p.parse_args()
+    merge(a.out, a.dirs)
+    print((a.out / "results.md").read_text())

@@ -2,13 +2,18 @@
 
     python -m vllm_shadowkv.eval.run --model vllm_shadowkv/eval/fixtures/retrieval-llama \\
         --lengths 4096,8192 --depths 0,0.5,1 --samples 2 \\
-        --backends default shadowkv 'shadowkv:{"sparse_budget":64}' shadowkv-naive \\
-        --out benchmarks/results/accuracy
+        --backends default 'shadowkv:{"sparse_budget":64}' shadowkv@1.56% \\
+        --shadowkv-settings '{"rank":160,"min_sparse_len":1024}' \\
+        --engine-args '{"enable_prefix_caching":false}' --out benchmarks/results/accuracy
 
 One engine at a time (each freed before the next starts), greedy decoding, the same prompts
-for every backend. With ``--server-url`` the prompts go to a running OpenAI-compatible server
-instead (one backend: the server's; ``--backends`` then only labels the results). Writes
-results.json (every sample and the summary), results.md and the PNG plots into ``--out``.
+for every backend. A budget-ratio spec (``shadowkv@1.56%``) starts one engine per context
+length with that length's sparse_budget and outlier_chunks (see ``backends``). Shadowkv
+engines get the worker extension; each request's mode (sparse/dense) and hit rate go into the
+records, and the run fails (after writing its results) if a request that should have decoded
+sparsely did not. With ``--server-url`` the prompts go to a running OpenAI-compatible server
+instead (one fixed backend: the server's; ``--backends`` then only labels the results).
+Writes results.json (every sample and the summary), results.md and the PNG plots into ``--out``.
 """
 
 from __future__ import annotations
@@ -53,19 +58,34 @@ def prompt_ids(tokenizer, sample: tasks.Sample, chat: bool) -> list[int]:
     return tokenizer(sample.prompt + sample.answer_prefix)["input_ids"]
 
 
-def generate_offline(args, spec, prompts, max_tokens) -> list[str]:
+def generate_offline(args, spec, prompts, max_tokens) -> list[dict]:
+    """Greedy outputs of one fresh engine: text, token ids and, for shadowkv, the request's
+    shadowkv_stats row (mode, hit rate, ...) from the worker extension."""
     from tqdm import tqdm
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    llm = LLM(model=args.model, tokenizer=args.tokenizer or args.model, seed=args.seed,
-              enforce_eager=args.enforce_eager, max_model_len=args.max_model_len,
-              **spec.llm_kwargs(), **json.loads(args.engine_args))
+    kwargs = {"tokenizer": args.tokenizer or args.model, "seed": args.seed,
+              "enforce_eager": args.enforce_eager,
+              "max_model_len": args.max_model_len or max(map(len, prompts)) + max(max_tokens) + 16,
+              **spec.llm_kwargs(), **json.loads(args.engine_args)}
+    if spec.is_shadowkv:
+        from vllm_shadowkv.introspect import EXTENSION_CLASS
+
+        kwargs.setdefault("worker_extension_cls", EXTENSION_CLASS)
+    llm = LLM(model=args.model, **kwargs)
     try:
         params = [SamplingParams(temperature=0.0, max_tokens=m) for m in max_tokens]
         outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
                             use_tqdm=partial(tqdm, desc=spec.label))
-        return [o.outputs[0].text for o in outs]
+        stats = {}
+        if spec.is_shadowkv:
+            raw = llm.collective_rpc("shadowkv_stats")[0]
+            # The engine core's request id is the front end's plus "-<8 hex>".
+            for req_id, row in [*raw["finished"].items(), *raw["requests"].items()]:
+                stats[req_id.rsplit("-", 1)[0] if "-" in req_id else req_id] = row
+        return [{"text": o.outputs[0].text, "token_ids": list(o.outputs[0].token_ids),
+                 "stats": stats.get(o.request_id) if spec.is_shadowkv else None} for o in outs]
     finally:  # free the engine (its process and KV cache) before the next backend starts
         llm.llm_engine.engine_core.shutdown()
         del llm
@@ -93,7 +113,54 @@ def generate_server(args, spec, prompts, max_tokens) -> list[str]:
         return call("/v1/completions", body)["choices"][0]["text"]
 
     with ThreadPoolExecutor(args.concurrency) as pool:
-        return list(tqdm(pool.map(one, zip(prompts, max_tokens)), total=len(prompts), desc=spec.label))
+        texts = list(tqdm(pool.map(one, zip(prompts, max_tokens)), total=len(prompts), desc=spec.label))
+    return [{"text": t, "token_ids": None, "stats": None} for t in texts]
+
+
+def engines(specs, samples) -> list[tuple[backend_specs.BackendSpec, backend_specs.BackendSpec, list[int]]]:
+    """(spec as written, spec the engine runs, indices of its samples): one engine per fixed
+    spec, one per context length for a ratio spec (``shadowkv@1.56%``)."""
+    out = []
+    for spec in specs:
+        if spec.per_length:
+            for n in sorted({s.length for s in samples}):
+                out.append((spec, spec.resolve(n), [i for i, s in enumerate(samples) if s.length == n]))
+        else:
+            out.append((spec, spec, list(range(len(samples)))))
+    return out
+
+
+def expected_sparse(spec, prompt_len: int) -> bool:
+    """Whether shadowkv decodes this prompt sparsely (vllm_shadowkv.core.params)."""
+    from vllm_shadowkv.config import ShadowKVConfig
+
+    c = ShadowKVConfig.from_dict(spec.settings)
+    chunks = prompt_len // c.chunk_size - -(-c.local_window // c.chunk_size)
+    return prompt_len >= c.min_sparse_len and chunks > c.outlier_chunks
+
+
+def decode_score(tokenizer, sample: tasks.Sample, token_ids, text: str) -> float | None:
+    """Score over the answers that need decode steps: the first generated token comes out of
+    the (exact) prefill, so an answer it already holds says nothing about sparse decoding.
+    None when the first token holds every answer (or the token ids are unknown)."""
+    if not token_ids:
+        return None
+    first = tokenizer.decode(token_ids[:1]).lower()
+    rest = [a for a in sample.answers if a.lower() not in first]
+    return tasks.string_match_all(text, rest) if rest else None
+
+
+def write_json(args, argv, specs, records, engine_rows, started, complete: bool) -> dict:
+    summary = report.summarize(records)
+    args.out.mkdir(parents=True, exist_ok=True)
+    meta = {"command": shlex.join(["python", "-m", "vllm_shadowkv.eval.run",
+                                   *(sys.argv[1:] if argv is None else argv)]),
+            "date": date.today().isoformat(), "machine": platform.processor() or platform.machine(),
+            "seconds": round(time.time() - started, 1), "backends": [s.label for s in specs],
+            "engines": engine_rows, "complete": complete}
+    (args.out / "results.json").write_text(json.dumps(
+        {"meta": meta, "summary": summary, "records": records}, indent=1) + "\n")
+    return summary
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -106,9 +173,12 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--samples", type=int, default=1, help="per task x length x depth")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--backends", nargs="+", default=["default"], help="see vllm_shadowkv.eval.backends")
+    p.add_argument("--shadowkv-settings", default="{}",
+                   help="JSON settings for every shadowkv spec, under the spec's own")
     p.add_argument("--chat", action="store_true", help="wrap prompts in the model's chat template")
     p.add_argument("--max-tokens", type=int, default=None, help="override the per-task budgets")
-    p.add_argument("--max-model-len", type=int, default=None, help="default: longest prompt + budget")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="default: the engine's longest prompt + budget")
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--engine-args", default="{}", help="JSON of extra vllm.LLM keyword arguments")
     p.add_argument("--server-url", default=None, help="an OpenAI-compatible server instead")
@@ -119,9 +189,10 @@ def main(argv: list[str] | None = None) -> dict:
 
     from transformers import AutoTokenizer
 
-    specs = [backend_specs.parse(s) for s in args.backends]
-    if args.server_url and len(specs) != 1:
-        p.error("--server-url serves one backend: give one --backends label")
+    common = json.loads(args.shadowkv_settings)
+    specs = [backend_specs.parse(s).with_shadowkv_settings(common) for s in args.backends]
+    if args.server_url and (len(specs) != 1 or specs[0].per_length):
+        p.error("--server-url serves one fixed backend: give one --backends label without @R%")
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.model)
     if args.chat and not tokenizer.chat_template:
         p.error("--chat: the tokenizer has no chat template")
@@ -129,30 +200,46 @@ def main(argv: list[str] | None = None) -> dict:
                             [float(x) for x in args.depths.split(",")], args.samples, args.seed)
     prompts = [prompt_ids(tokenizer, s, args.chat) for s in samples]
     max_tokens = [args.max_tokens or MAX_TOKENS[s.task] for s in samples]
-    if args.max_model_len is None:
-        args.max_model_len = max(len(x) for x in prompts) + max(max_tokens) + 16
 
-    records, started = [], time.time()
-    for spec in specs:
-        run = generate_server if args.server_url else generate_offline
-        for s, ids, text in zip(samples, prompts, run(args, spec, prompts, max_tokens)):
-            records.append({"backend": spec.label, "task": s.task, "length": s.length,
-                            "depth": s.depth, "seed": s.seed, "prompt_tokens": len(ids),
-                            "answers": s.answers, "prediction": text, "score": tasks.score(s, text)})
+    records, engine_rows, started = [], [], time.time()
+    run = generate_server if args.server_url else generate_offline
+    for spec, engine_spec, idx in engines(specs, samples):
+        t0 = time.time()
+        outs = run(args, engine_spec, [prompts[i] for i in idx], [max_tokens[i] for i in idx])
+        rows = []
+        for i, out in zip(idx, outs):
+            s, stats = samples[i], out["stats"]
+            rows.append({"backend": spec.label, "task": s.task, "length": s.length, "depth": s.depth,
+                         "seed": s.seed, "prompt_tokens": len(prompts[i]), "answers": s.answers,
+                         "prediction": out["text"], "output_token_ids": out["token_ids"],
+                         "score": tasks.score(s, out["text"]),
+                         "decode_score": decode_score(tokenizer, s, out["token_ids"], out["text"])})
+            if stats is not None or (engine_spec.is_shadowkv and not args.server_url):
+                rows[-1].update({"mode": stats["mode"] if stats else None,
+                                 "expected_sparse": expected_sparse(engine_spec, len(prompts[i])),
+                                 "hit_rate": stats["hit_rate"] if stats else None,
+                                 "decode_steps": stats["decode_steps"] if stats else None})
+        records += rows
+        engine_rows.append({"backend": spec.label,
+                            "length": samples[idx[0]].length if spec.per_length else None,
+                            "settings": engine_spec.settings, "requests": len(idx),
+                            "seconds": round(time.time() - t0, 1)})
+        # After every engine: a long run that dies later keeps what it measured.
+        write_json(args, argv, specs, records, engine_rows, started, complete=False)
 
     labels = [s.label for s in specs]
-    summary = report.summarize(records)
-    args.out.mkdir(parents=True, exist_ok=True)
-    meta = {"command": shlex.join(["python", "-m", "vllm_shadowkv.eval.run",
-                                   *(sys.argv[1:] if argv is None else argv)]),
-            "date": date.today().isoformat(), "machine": platform.processor() or platform.machine(),
-            "seconds": round(time.time() - started, 1), "backends": labels}
-    (args.out / "results.json").write_text(json.dumps(
-        {"meta": meta, "summary": summary, "records": records}, indent=1) + "\n")
-    table = report.markdown(summary, labels)
+    summary = write_json(args, argv, specs, records, engine_rows, started, complete=True)
+    table = report.markdown(summary, labels, engine_rows)
     (args.out / "results.md").write_text(table)
     report.plots(summary, labels, args.out)
     print(table)
+    # A shadowkv run that silently decoded densely would measure the wrong thing: refuse it
+    # (after writing the results, which show the offending requests' modes).
+    wrong = [r for r in records if "mode" in r and r["expected_sparse"] and r["mode"] != "sparse"]
+    if wrong:
+        raise SystemExit(f"{len(wrong)} shadowkv request(s) expected to decode sparsely did not: "
+                         + ", ".join(f"{r['backend']} {r['task']} {r['length']} mode={r['mode']}"
+                                     for r in wrong[:10]))
     return summary
 
 

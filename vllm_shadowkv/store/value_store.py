@@ -24,6 +24,9 @@ def _pow2_floor(n: int) -> int:
     return 1 << (n.bit_length() - 1)
 
 
+PAGE_ROWS = 256  # rows (one chunk of one KV head) per page; the block manager accounts in pages
+
+
 class ValueStoreFull(RuntimeError):
     """A put needs more pages than the capacity has free."""
 
@@ -43,7 +46,7 @@ class CpuValueStore:
     default where CUDA is available, so the pool is DMA-able. Not thread-safe."""
 
     def __init__(self, capacity_bytes: int, dtype: torch.dtype, chunk_size: int, head_dim: int,
-                 page_rows: int = 256, pin_memory: bool | None = None):
+                 page_rows: int = PAGE_ROWS, pin_memory: bool | None = None):
         if capacity_bytes < 0 or min(chunk_size, head_dim, page_rows) < 1:
             raise ValueError(f"CpuValueStore: capacity_bytes={capacity_bytes} must be >= 0 and "
                              f"chunk_size={chunk_size}, head_dim={head_dim}, "

@@ -1,0 +1,161 @@
+"""Lifecycle scenarios for the shadowkv engine, run in a fresh process with the engine core
+in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so the scheduler's block pool can be inspected.
+
+usage: lifecycle.py SCENARIO MODEL RESULT.json    (scenarios: see SCENARIOS)
+"""
+
+import json
+import random
+import sys
+
+WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi".split()
+# Full rank (the tiny model's key width) and a budget covering max_model_len: sparse == dense.
+FULL = {"rank": 256, "sparse_budget": 1024, "outlier_chunks": 4, "min_sparse_len": 512}
+MAX_LEN = 1024
+# Two long (sparse) requests that each generate 600 tokens in a pool sized so that the second is
+# admitted next to the first, but their generated pages collide: vLLM preempts the second and
+# recomputes it once the first is done.
+PREEMPT_PROMPTS = [(52, 7), (54, 8)]  # ~300 tokens each: staging is small next to the growth
+PREEMPT_TOKENS = 400
+PREEMPT_SETTINGS = {"sparse_budget": 64, "outlier_chunks": 2, "min_sparse_len": 256}
+
+
+def text(num_words, seed):
+    rng = random.Random(seed)
+    return " ".join(rng.choice(WORDS) for _ in range(num_words))
+
+
+def engine(model, backend, settings=None, **kwargs):
+    from vllm import LLM
+
+    from vllm_shadowkv.introspect import EXTENSION_CLASS
+
+    extra = {"attention_backend": "shadowkv",
+             "additional_config": {"shadowkv": settings or FULL}} if backend else {}
+    kwargs = {"max_model_len": MAX_LEN, **kwargs}
+    return LLM(model=model, enforce_eager=True, enable_prefix_caching=False, seed=0,
+               worker_extension_cls=EXTENSION_CLASS, **extra, **kwargs)
+
+
+def pool_state(llm):
+    core = llm.llm_engine.engine_core.engine_core
+    while core.scheduler.has_finished_requests():
+        # The step that tells workers which requests finished; vLLM's multiprocess engine core
+        # runs it by itself, an in-process engine only when stepped.
+        llm.llm_engine.step()
+    manager = core.scheduler.kv_cache_manager
+    stats = llm.collective_rpc("shadowkv_stats")[0]
+    single = [m for m in manager.coordinator.single_type_managers]
+    return {
+        "free_blocks": manager.block_pool.get_num_free_blocks(),
+        "total_blocks": manager.block_pool.num_gpu_blocks,
+        "store": stats["store"],
+        "compressed_requests": stats["compressed_requests"],
+        "manager_tracked": sum(len(getattr(m, "prompt_len", {})) + len(getattr(m, "staging", ()))
+                               + len(getattr(m, "store_reserved", {})) for m in single),
+        "finished_modes": sorted(s["mode"] for s in stats["finished"].values()),
+    }
+
+
+def greedy(llm, prompts, max_tokens):
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=5)
+    return [
+        {"token_ids": list(o.outputs[0].token_ids),
+         "logprobs": [{str(t): lp.logprob for t, lp in step.items()}
+                      for step in o.outputs[0].logprobs]}
+        for o in llm.generate(prompts, params, use_tqdm=False)
+    ]
+
+
+def preemption(model):
+    """Too few pages for every request's growth: vLLM preempts and later recomputes."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from vllm_shadowkv.backend.layout import PageLayout
+    from vllm_shadowkv.config import ShadowKVConfig
+
+    settings = PREEMPT_SETTINGS
+    prompts = [text(*p) for p in PREEMPT_PROMPTS]
+    first, second = (len(AutoTokenizer.from_pretrained(model)(p).input_ids) for p in prompts)
+    layout = PageLayout(ShadowKVConfig(**settings), 4, 64, torch.bfloat16, 128)
+    # Room for the first request compressed and the second while it is compressed (+ the null
+    # block and one generated page): both are admitted, then their generated pages collide.
+    # (The pool must also hold one max_model_len prompt while it is staged: vLLM's start-up check.)
+    max_len = 768
+    pool = max(layout.steady_blocks(first) + layout.peak_blocks(second),
+               layout.peak_blocks(max_len)) + 2
+    small = engine(model, True, settings=settings, num_gpu_blocks_override=pool,
+                   max_model_len=max_len, max_num_batched_tokens=256,
+                   disable_log_stats=False)  # for get_metrics()
+    out = greedy(small, prompts, PREEMPT_TOKENS)
+    metrics = {m.name: getattr(m, "value", None) for m in small.get_metrics()}
+    result = {"outputs": out, "preemptions": metrics.get("vllm:num_preemptions"),
+              "after": pool_state(small)}
+    del small
+    return result
+
+
+def abort(model):
+    """Requests aborted mid-generation (one long, sparse; one short) give everything back."""
+    from vllm import SamplingParams
+
+    llm = engine(model, True, max_num_batched_tokens=256)
+    before = pool_state(llm)
+    eng = llm.llm_engine
+    params = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True)
+    for i, prompt in enumerate([text(120, 1), "short one", text(130, 2), "another"]):
+        eng.add_request(f"r{i}", prompt, params)
+    finished, steps = set(), 0
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.finished:
+                finished.add(out.request_id)
+        steps += 1
+        if steps == 12:
+            eng.abort_request(["r0", "r1"])
+    return {"before": before, "after": pool_state(llm), "finished": sorted(finished)}
+
+
+def store_full(model):
+    """The value store holds one long request's values, not two: the second waits its turn."""
+    prompts = [text(130, 3), text(140, 4)]  # ~750 tokens each
+    # tiny model: 4 layers x 4 KV heads x 64 x bf16 = 2 KiB of values per compressed token, so
+    # 2 MiB holds one request of at most MAX_LEN tokens, not two of 750
+    llm = engine(model, True, settings={**FULL, "value_store_gib": 2 / 1024})
+    out = greedy(llm, prompts, 24)
+    return {"outputs": out, "after": pool_state(llm)}
+
+
+def reference(model):
+    """The default backend on the prompts of the other scenarios."""
+    llm = engine(model, False)
+    return {"store_full": greedy(llm, [text(130, 3), text(140, 4)], 24)}
+
+
+def thousand_requests(model):
+    """1,000 mixed requests in waves: the block pool and the store end as they started."""
+    llm = engine(model, True, settings={**FULL, "sparse_budget": 128},
+                 max_num_batched_tokens=2048)
+    before = pool_state(llm)
+    rng = random.Random(0)
+    from vllm import SamplingParams
+
+    for wave in range(10):
+        prompts, params = [], []
+        for i in range(100):
+            n = wave * 100 + i
+            long = n % 50 == 7
+            prompts.append(text(100, n) if long else text(rng.randint(1, 40), n))
+            params.append(SamplingParams(temperature=0, max_tokens=rng.randint(1, 6)))
+        llm.generate(prompts, params, use_tqdm=False)
+    return {"before": before, "after": pool_state(llm)}
+
+
+SCENARIOS = {f.__name__: f for f in (preemption, abort, store_full, reference, thousand_requests)}
+
+if __name__ == "__main__":
+    scenario, model, out = sys.argv[1:4]
+    json.dump(SCENARIOS[scenario](model), open(out, "w"))

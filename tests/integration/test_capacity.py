@@ -1,0 +1,85 @@
+"""vLLM's own KV capacity figure grows by the compression ratio (DESIGN.md §2.3).
+
+Two engines on the llama8b-shape model (Llama-3.1-8B attention shapes) at max_model_len 128K,
+same KV memory, each in a fresh process with the engine core in-process: the maximum concurrency
+vLLM computes (and logs) for 128K-token requests must be at least 6x the default backend's with
+the paper's settings. No prompt is run; capacity is fixed when the engine sizes its KV cache.
+"""
+
+import json
+import subprocess
+import sys
+
+import pytest
+from engine_utils import engine_env
+
+from vllm_shadowkv.models import build_model
+
+pytestmark = pytest.mark.slow
+
+MAX_LEN = 131072
+KV_GIB = 4  # 4 default requests of 128K; shadowkv also needs one 128K prompt's exact staging
+PAPER = {"rank": 160, "chunk_size": 8, "sparse_budget": 2048, "outlier_chunks": 48,
+         "local_window": 32}
+
+ENGINE = """
+import json, os, sys
+from vllm import LLM
+backend, model, max_len = sys.argv[1], sys.argv[2], int(sys.argv[3])
+settings = json.loads(sys.argv[4])
+kwargs = {} if backend == "default" else {
+    "attention_backend": backend, "additional_config": {"shadowkv": settings}}
+llm = LLM(model=model, max_model_len=max_len, enable_prefix_caching=False, enforce_eager=True,
+          **kwargs)
+cache = llm.llm_engine.vllm_config.cache_config
+scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+(group,) = scheduler.kv_cache_config.kv_cache_groups
+print("CAPACITY " + json.dumps({
+    "num_blocks": cache.num_gpu_blocks,
+    "pool_blocks": scheduler.kv_cache_manager.block_pool.num_gpu_blocks,
+    "block_size": cache.block_size, "page_bytes": group.kv_cache_spec.page_size_bytes,
+    "num_layers": len(group.layer_names), "spec": type(group.kv_cache_spec).__name__,
+    "max_concurrency": cache.kv_cache_max_concurrency, "size_tokens": cache.kv_cache_size_tokens,
+}), flush=True)
+os._exit(0)
+"""
+
+
+def engine_capacity(backend: str, model: str, cwd) -> dict:
+    env = engine_env() | {"VLLM_CPU_KVCACHE_SPACE": str(KV_GIB),
+                          "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # scheduler in this process
+                          "OMP_NUM_THREADS": "1"}  # start-up only; spares a shared machine
+    proc = subprocess.run(
+        [sys.executable, "-c", ENGINE, backend, model, str(MAX_LEN), json.dumps(PAPER)],
+        env=env, cwd=cwd, capture_output=True, text=True, timeout=300,
+    )  # cwd: not the repository root, whose triton_kernels/ folder `-c` would put on sys.path
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("CAPACITY ")]
+    if proc.returncode != 0 or not lines:
+        raise AssertionError(f"{backend} engine failed ({proc.returncode}):\n{proc.stderr[-6000:]}")
+    return json.loads(lines[-1].removeprefix("CAPACITY "))
+
+
+def test_shadowkv_max_concurrency_at_128k_is_6x_default(tmp_path):
+    model = str(build_model("llama8b-shape"))
+    default = engine_capacity("default", model, tmp_path)
+    shadowkv = engine_capacity("shadowkv", model, tmp_path)
+
+    assert default["spec"] == "FullAttentionSpec" and shadowkv["spec"] == "ShadowKVSpec"
+    for cap in (default, shadowkv):
+        assert cap["num_blocks"] == cap["pool_blocks"]  # the scheduler's pool is what was sized
+    # Same KV memory: both pools span the same bytes (within one block of rounding).
+    pool = {name: c["num_blocks"] * c["page_bytes"] * c["num_layers"]
+            for name, c in (("default", default), ("shadowkv", shadowkv))}
+    one_block = default["page_bytes"] * default["num_layers"]
+    assert abs(pool["default"] - pool["shadowkv"]) <= one_block, pool
+    assert max(pool.values()) <= KV_GIB << 30
+
+    # The default backend holds KV_GIB GiB / (2 layers x 128K tokens x 4 KiB) requests.
+    assert default["max_concurrency"] == pytest.approx(KV_GIB * 2**30 / (2 * MAX_LEN * 4096))
+    ratio = shadowkv["max_concurrency"] / default["max_concurrency"]
+    assert ratio >= 6.0, (
+        f"shadowkv max concurrency for {MAX_LEN}-token requests is "
+        f"{shadowkv['max_concurrency']:.2f}, only {ratio:.2f}x the default's "
+        f"{default['max_concurrency']:.2f} (target >= 6x)")
+    # vLLM's logged token capacity follows the same ratio.
+    assert shadowkv["size_tokens"] >= 6 * default["size_tokens"]

@@ -1,0 +1,67 @@
+"""Preemption, aborts, a full value store and 1,000 requests through the shadowkv engine.
+
+Each scenario runs in a fresh process (tests/integration/lifecycle.py) with the engine core
+in-process, so the scheduler's block pool is read directly.
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from engine_utils import assert_greedy_close, engine_env
+
+pytestmark = pytest.mark.slow
+SCRIPT = Path(__file__).parent / "lifecycle.py"
+
+
+def run(scenario, model, tmp_path):
+    out = tmp_path / f"{scenario}.json"
+    env = engine_env() | {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    proc = subprocess.run([sys.executable, str(SCRIPT), scenario, model, str(out)], env=env,
+                          cwd=tmp_path, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    return json.loads(out.read_text())
+
+
+def assert_empty(state):
+    assert state["free_blocks"] == state["total_blocks"] - 1  # all but vLLM's null block
+    assert state["store"]["used_bytes"] == 0 and state["store"]["num_keys"] == 0
+    assert state["compressed_requests"] == 0 and state["manager_tracked"] == 0
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model, tmp_path_factory):
+    return run("reference", tiny_model, tmp_path_factory.mktemp("reference"))
+
+
+def test_preemption_recomputes_sparse_request(tiny_model, tmp_path):
+    """vLLM preempts a compressed request when pages run out and recomputes it (its prompt is
+    compressed again); both requests finish and everything is given back."""
+    result = run("preemption", tiny_model, tmp_path)
+    assert result["preemptions"] and result["preemptions"] > 0
+    assert [len(o["token_ids"]) for o in result["outputs"]] == [400, 400]
+    assert result["after"]["finished_modes"] == ["sparse", "sparse"]
+    assert_empty(result["after"])
+
+
+def test_abort_mid_generation_frees_everything(tiny_model, tmp_path):
+    result = run("abort", tiny_model, tmp_path)
+    assert result["finished"] == ["r2", "r3"]  # aborted requests report no finish
+    assert_empty(result["before"])
+    assert_empty(result["after"])
+
+
+def test_full_value_store_waits_then_completes(tiny_model, tmp_path, reference):
+    result = run("store_full", tiny_model, tmp_path)
+    assert_greedy_close(reference["store_full"], result["outputs"], ("default", "shadowkv"))
+    assert result["after"]["finished_modes"] == ["sparse", "sparse"]
+    assert_empty(result["after"])
+
+
+def test_thousand_mixed_requests_leave_pool_and_store_empty(tiny_model, tmp_path):
+    result = run("thousand_requests", tiny_model, tmp_path)
+    assert_empty(result["before"])
+    assert_empty(result["after"])
+    assert result["after"]["store"]["allocated_bytes"] > 0  # long requests did use the store

@@ -1,0 +1,83 @@
+"""ShadowKV sparse decode inside a real vLLM engine (CPU, fresh processes, tiny local model)."""
+
+import random
+
+import pytest
+from engine_utils import PROMPTS, assert_greedy_close, generate_in_fresh_process
+
+pytestmark = pytest.mark.slow
+
+WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho "
+         "sigma tau upsilon phi chi psi omega").split()
+
+
+def long_prompt(num_words: int, seed: int) -> str:
+    rng = random.Random(seed)
+    return " ".join(rng.choice(WORDS) for _ in range(num_words))
+
+
+def test_full_rank_covering_budget_equals_default_and_runs_sparse(tiny_model, tmp_path):
+    """Long prompts (chunked prefill: longer than max_num_batched_tokens) next to short ones:
+    with full rank (key width 256) and a budget covering the context, sparse decode must give
+    the default backend's greedy tokens, and the long requests must really decode sparsely."""
+    long_a, long_b = long_prompt(500, 0), long_prompt(700, 1)  # ~3.1K and ~4.4K tokens
+    batch = [PROMPTS[0], long_a, PROMPTS[1], long_b]
+    common = {
+        "model": tiny_model, "batches": [batch], "max_tokens": 16,
+        "engine_kwargs": {"max_model_len": 6144, "max_num_batched_tokens": 1024,
+                          "enable_prefix_caching": False},
+    }
+    ref = generate_in_fresh_process({**common, "attention_backend": None}, _dir(tmp_path, "ref"))
+    settings = {"rank": 256, "sparse_budget": 8192, "outlier_chunks": 8, "min_sparse_len": 2048}
+    test = generate_in_fresh_process(
+        {**common, "attention_backend": "shadowkv",
+         "engine_kwargs": {**common["engine_kwargs"],
+                           "additional_config": {"shadowkv": settings}}},
+        _dir(tmp_path, "shadowkv"))
+    assert_greedy_close(ref["batches"][0], test["batches"][0], names=("default", "shadowkv"))
+    finished = test["stats"][0]["finished"]
+    modes = sorted((s["prompt_len"], s["mode"]) for s in finished.values())
+    assert [m for _, m in modes] == ["dense", "dense", "sparse", "sparse"], modes
+    sparse = [s for s in finished.values() if s["mode"] == "sparse"]
+    assert all(s["decode_steps"] > 0 and s["selected"] > 0 for s in sparse)
+    store = test["stats"][0]["store"]
+    assert store["used_bytes"] == 0 and store["num_keys"] == 0  # finished requests gave it back
+
+
+def _dir(tmp_path, name):
+    path = tmp_path / name
+    path.mkdir()
+    return path
+
+
+def test_paper_ratio_answers_needles_with_fidelity_inside_the_engine(tmp_path):
+    """Budget/context = 64/4096 = 1.56 % (the paper's ratio) on the constructed retrieval model:
+    the needles are still retrieved, and the in-engine fidelity probe (the core's measure: output
+    relative error vs dense attention over the exact prompt) stays small in every layer."""
+    from transformers import AutoTokenizer
+
+    from vllm_shadowkv.eval import tasks
+    from vllm_shadowkv.eval.retrieval_model import FIXTURE
+
+    model = str(FIXTURE)
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    samples = [tasks.generate(t, tokenizer, 4096, depth=0.5, seed=1)
+               for t in ("niah_single", "niah_multikey")]
+    settings = {"sparse_budget": 64, "outlier_chunks": 2, "min_sparse_len": 1024,
+                "measure_fidelity": True}
+    result = generate_in_fresh_process({
+        "model": model, "attention_backend": "shadowkv", "max_tokens": 12,
+        "batches": [[s.prompt + s.answer_prefix for s in samples]],
+        "engine_kwargs": {"max_model_len": 4352, "enable_prefix_caching": False,
+                          "additional_config": {"shadowkv": settings}},
+    }, tmp_path)
+    for sample, output in zip(samples, result["batches"][0]):
+        assert tasks.score(sample, tokenizer.decode(output["token_ids"])) == 1.0
+    stats = result["stats"][0]
+    rows = list(stats["finished"].values()) + list(stats["requests"].values())
+    assert len(rows) == 2 and all(r["mode"] == "sparse" for r in rows)
+    fidelity = [f for r in rows for f in r["fidelity"].values()]
+    assert len(fidelity) >= 2 * 3  # every layer of both requests measured
+    # Measured 0.01-0.08: the core's synthetic bound is 0.08 at this ratio; 0.15 leaves room for
+    # bf16 and this model's diffuse (non-retrieval) heads.
+    assert max(f["relative_error"] for f in fidelity) < 0.15
