@@ -112,3 +112,15 @@ def test_compress_then_sparse_decode_from_pages(full):
                                           v[:seq_len].transpose(0, 1)[None], None, d ** -0.5)
             torch.testing.assert_close(out, dense[0], atol=1e-4, rtol=1e-4)
     assert stats.decode_steps == gen and stats.hits > 0  # the slots persisted between steps
+
+
+@pytest.mark.parametrize("q_len, s_len", [(1, 7), (5, 5), (3, 9), (64, 64), (17, 100)])
+def test_causal_attention_matches_masked_sdpa(q_len, s_len):
+    """Decode, whole-prompt prefill (is_causal path) and later chunks (explicit mask)."""
+    g = torch.Generator().manual_seed(q_len * 1000 + s_len)
+    q, k, v = (torch.randn(n, h, 16, generator=g) for n, h in ((q_len, 8), (s_len, 2), (s_len, 2)))
+    mask = torch.arange(s_len)[None] <= torch.arange(s_len - q_len, s_len)[:, None]
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask,
+        enable_gqa=True, scale=0.25).transpose(0, 1)
+    torch.testing.assert_close(request_attention.causal_attention(q, k, v, 0.25), ref)

@@ -27,12 +27,14 @@ def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     """
     q_len, s_len = query.shape[0], key.shape[0]
     mask = None
-    if q_len > 1:  # query i sits at position s - q + i
+    if 1 < q_len < s_len:  # a later prefill chunk: query i sits at position s - q + i
         rows = torch.arange(s_len - q_len, s_len, device=query.device)[:, None]
         mask = torch.arange(s_len, device=query.device)[None, :] <= rows
+    # A whole prompt in one step takes the is_causal path: no mask, so SDPA's fused kernels.
     out = torch.nn.functional.scaled_dot_product_attention(
         query.transpose(0, 1).float(), key.transpose(0, 1).float(),
-        value.transpose(0, 1).float(), attn_mask=mask, scale=scale, enable_gqa=True,
+        value.transpose(0, 1).float(), attn_mask=mask, is_causal=1 < q_len == s_len,
+        scale=scale, enable_gqa=True,
     )
     return out.transpose(0, 1).to(query.dtype)
 
