@@ -11,6 +11,8 @@ import json
 from dataclasses import dataclass, fields
 from typing import Any
 
+from vllm_shadowkv.core.params import SELECTIONS
+
 CONFIG_KEY = "shadowkv"
 
 
@@ -38,6 +40,10 @@ class ShadowKVConfig:
     max_staging_requests: int = 1
     """Long prompts held exactly at once while they are prefilled, before compression: bounds
     the transient full-size KV of compressions in flight. More wait for their turn."""
+    selection: str = "landmarks"
+    """Which chunks a decode step attends: "landmarks" (ShadowKV: top-k landmark scores for the
+    query) or "sink_recent" (a naive baseline for accuracy studies: the first chunk and the most
+    recent chunks, whatever the query; set outlier_chunks 0 to give it the whole budget)."""
     measure_fidelity: bool = False
     """Diagnostic: keep an exact copy of each compressed prompt's K/V in host memory (outside
     every budget: not for production) and record, per layer and decode step, the relative error
@@ -77,7 +83,7 @@ class ShadowKVConfig:
             )
         values = {}
         for key, value in raw.items():
-            want = {"float": float, "bool": bool}.get(known[key].type, int)
+            want = {"float": float, "bool": bool, "str": str}.get(known[key].type, int)
             values[key] = _typed(key, value, want)
         config = cls(**values)
         config._check_ranges()
@@ -95,6 +101,11 @@ class ShadowKVConfig:
             raise ShadowKVConfigError(
                 f"{CONFIG_KEY}.sparse_budget ({self.sparse_budget}) must be a multiple of "
                 f"chunk_size ({self.chunk_size}): tokens are selected in whole chunks"
+            )
+        if self.selection not in SELECTIONS:
+            raise ShadowKVConfigError(
+                f"{CONFIG_KEY}.selection must be one of {', '.join(map(repr, SELECTIONS))}, "
+                f"got {self.selection!r}"
             )
         if not self.value_store_gib > 0:
             raise ShadowKVConfigError(
@@ -121,14 +132,14 @@ class ShadowKVConfig:
         return self.sparse_budget // self.chunk_size
 
 
-def _typed(key: str, value: Any, want: type) -> int | float | bool:
+def _typed(key: str, value: Any, want: type) -> int | float | bool | str:
     ok = isinstance(value, int) and not isinstance(value, bool)
     if want is float:
         ok = ok or isinstance(value, float)
-    if want is bool:
-        ok = isinstance(value, bool)
+    if want in (bool, str):
+        ok = isinstance(value, want)
     if not ok:
-        kind = {int: "an integer", float: "a number", bool: "true or false"}[want]
+        kind = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}[want]
         raise ShadowKVConfigError(
             f"{CONFIG_KEY}.{key} must be {kind}, got {value!r} ({type(value).__name__})"
         )

@@ -112,3 +112,59 @@ def test_triton_path_matches_torch_path():
         assert torch.equal(by_chunk[1][2], by_chunk[0][2])
         torch.testing.assert_close(got[0], ref[0], atol=2e-2, rtol=2e-2)
         torch.testing.assert_close(got[1], ref[1], atol=1e-3, rtol=1e-3)
+
+
+def test_sink_recent_baseline_attends_first_and_latest_chunks_whatever_the_query():
+    h_kv, group, d, c = 2, 2, 16, 8
+    lengths = [400, 260]
+    rope, keys, values, pos = _batch_inputs(lengths, h_kv, group, d, seed=3)
+    params = ShadowKVParams(rank=h_kv * d, chunk_size=c, sparse_budget=5 * c, outlier_chunks=0,
+                            local_chunks=2, min_compress_tokens=100, selection="sink_recent")
+    ids = ["a", "b"]
+    cu = [0] + torch.tensor(lengths).cumsum(0).tolist()
+    store = InMemoryValueStore()
+    prompts = compress_prompts(torch.cat(keys), torch.cat(values), torch.cat(pos), cu, rope,
+                               params, store, ids)
+    batch = DecodeBatch.build(prompts, ids, rope, params)
+    for step in range(2):
+        q = torch.randn(2, 1, h_kv * group, d) * (step + 1) * 10
+        decode_step(batch, q, torch.randn(2, 1, h_kv, d), torch.randn(2, 1, h_kv, d), store)
+        for i, n in enumerate(lengths):
+            last = n // c - params.local_chunks - 1  # the newest compressed chunk
+            want = {0, last - 3, last - 2, last - 1, last}
+            for h in range(h_kv):
+                assert set(batch.slot_chunks[i, h].tolist()) == want
+    with pytest.raises(ValueError, match="selection"):
+        ShadowKVParams(selection="random").validate()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (compiled kernels, streams)")
+def test_cuda_decode_from_pinned_store_matches_cpu():
+    """The CUDA path end to end: compiled kernels, values gathered from a pinned CpuValueStore
+    and copied on the copy stream while the keys are rebuilt."""
+    from vllm_shadowkv.core import transfer
+    from vllm_shadowkv.store import CpuValueStore
+
+    h_kv, group, d, c = 2, 4, 128, 8
+    lengths = [1300, 700]
+    rope, keys, values, pos = _batch_inputs(lengths, h_kv, group, d, seed=11)
+    params = ShadowKVParams(rank=64, chunk_size=c, sparse_budget=128, outlier_chunks=3,
+                            local_chunks=2, min_compress_tokens=100)
+    ids = ["a", "b"]
+    cu = [0] + torch.tensor(lengths).cumsum(0).tolist()
+    runs = {}
+    for device in ("cpu", "cuda"):
+        store = CpuValueStore(1 << 26, torch.bfloat16, c, d, pin_memory=device == "cuda")
+        args = [torch.cat(t).to(device) for t in (keys, values, pos)]
+        args[0], args[1] = args[0].bfloat16(), args[1].bfloat16()
+        prompts = compress_prompts(*args, cu, rope.to(device), params, store, ids)
+        runs[device] = (DecodeBatch.build(prompts, ids, rope, params), store)
+    torch.manual_seed(0)
+    for step in range(3):
+        q = torch.randn(2, 1, h_kv * group, d).bfloat16()
+        k_new, v_new = torch.randn(2, 1, h_kv, d).bfloat16(), torch.randn(2, 1, h_kv, d).bfloat16()
+        outs = {dev: decode_step(b, *(t.to(dev) for t in (q, k_new, v_new)), store)
+                for dev, (b, store) in runs.items()}
+        torch.testing.assert_close(outs["cuda"][0].cpu(), outs["cpu"][0], atol=3e-2, rtol=3e-2)
+    assert torch.device("cuda", torch.cuda.current_device()) in transfer._copy_streams
+    assert runs["cuda"][1].bytes_fetched > 0

@@ -79,3 +79,14 @@ def test_one_engine_per_length_for_ratio_specs():
 def test_bad_specs_are_refused(bad):
     with pytest.raises(ValueError):
         parse(bad)
+
+
+def test_sink_recent_baseline_attends_as_many_tokens_without_choosing_them():
+    spec = parse("sink_recent@1.56%")
+    assert spec.is_shadowkv and spec.label == "sink_recent@1.56%"
+    # shadowkv@1.56% at 8192: 120 selected + 3 outlier chunks of 8 -> 144 recent tokens, no outliers
+    assert spec.resolve(8192).settings == {"selection": "sink_recent", "sparse_budget": 144,
+                                           "outlier_chunks": 0}
+    ShadowKVConfig.from_dict(spec.resolve(4096).settings)
+    with pytest.raises(ValueError, match="for shadowkv and sink_recent only"):
+        parse("flash@3%")

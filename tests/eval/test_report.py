@@ -74,3 +74,14 @@ def test_expected_sparse_follows_min_sparse_len():
     spec = parse('shadowkv:{"min_sparse_len": 1024, "outlier_chunks": 2}')
     assert run.expected_sparse(spec, 1024) and not run.expected_sparse(spec, 1023)
     assert not run.expected_sparse(parse("shadowkv"), 2048)  # default min_sparse_len 4096
+
+
+def test_not_sparse_flags_dense_or_never_decoded_requests():
+    base = {"expected_sparse": True, "mode": "sparse", "output_token_ids": [5, 1], "decode_steps": 3}
+    ok_first_token_only = {**base, "output_token_ids": [5], "decode_steps": 0}
+    dense = {**base, "mode": "dense"}
+    never = {**base, "decode_steps": 0}
+    short = {**base, "expected_sparse": False, "mode": "dense"}
+    default = {"output_token_ids": [5, 1]}
+    records = [base, ok_first_token_only, dense, never, short, default]
+    assert run.not_sparse(records) == [dense, never]

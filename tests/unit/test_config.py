@@ -32,3 +32,11 @@ def test_engine_checks(engine, message):
     else:
         with pytest.raises(ShadowKVConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
             config.check_engine(**engine)
+
+
+def test_selection_names_the_allowed_modes():
+    assert ShadowKVConfig.from_dict({"selection": "sink_recent"}).selection == "sink_recent"
+    with pytest.raises(ShadowKVConfigError, match="selection must be one of 'landmarks', 'sink_recent'"):
+        ShadowKVConfig.from_dict({"selection": "recent"})
+    with pytest.raises(ShadowKVConfigError, match="selection must be a string"):
+        ShadowKVConfig.from_dict({"selection": 1})

@@ -66,7 +66,7 @@ class PageLayout:
         return ShadowKVParams(
             rank=c.rank, chunk_size=c.chunk_size, sparse_budget=c.sparse_budget,
             outlier_chunks=c.outlier_chunks, local_chunks=math.ceil(c.local_window / c.chunk_size),
-            min_compress_tokens=c.min_sparse_len,
+            min_compress_tokens=c.min_sparse_len, selection=c.selection,
         )
 
     @property

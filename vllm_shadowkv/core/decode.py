@@ -8,8 +8,8 @@ padded [B, h_kv, ...] tensors. Each `decode_step`:
   2. scores the landmarks, takes the top-k chunks per KV head (k = sparse_budget // chunk_size,
      at most the request's landmark count);
   3. keeps hits in their slots, gives misses the freed slots (`assign_slots`);
-  4. rebuilds the missed keys (A rows x B, RoPE at their true positions) and copies the missed
-     values from the value store;
+  4. rebuilds the missed keys (A rows x B, RoPE at their true positions) and, overlapping that
+     on CUDA, copies the missed values from the value store on a copy stream (transfer.py);
   5. attends exactly the exact region (outliers + local window), the slots and the generated
      tokens, merging the three by log-sum-exp.
 Slots start empty: the first step rebuilds every selected chunk (the authors' accuracy path; the
@@ -22,12 +22,12 @@ from dataclasses import dataclass
 
 import torch
 
-from . import ops
+from . import ops, transfer
 from .attention import attention_with_lse, merge_attention
 from .compress import CompressedPrompt
 from .params import ShadowKVParams
 from .rope import RopeCache
-from .select import assign_slots
+from .select import assign_slots, sink_recent_scores
 from .store import ValueStore
 
 
@@ -114,32 +114,42 @@ class DecodeBatch:
         self.gen_k[rows, :, cols] = k_new.to(self.gen_k.dtype)
         self.gen_v[rows, :, cols] = v_new.to(self.gen_v.dtype)
 
-    def _fetch_values(self, miss_slots, miss_count, store: ValueStore) -> None:
+    def _fetch_values(self, miss_slots, miss_count, store: ValueStore) -> torch.Tensor:
+        """The missed value rows, (b, h, miss) in row-major order, gathered on the host and
+        copied to the slots' device on the copy stream (see transfer.py)."""
         valid = torch.arange(miss_slots.shape[-1], device=miss_slots.device) < miss_count.unsqueeze(-1)
         bi, hi, mi = valid.nonzero(as_tuple=True)
         chunks = self.slot_chunks[bi, hi, miss_slots[bi, hi, mi].long()]
         per_request = miss_count.sum(dim=-1).tolist()
-        parts = [
-            store.gather(key, h, ch)
-            for key, h, ch, n in zip(self.store_keys, hi.split(per_request),
-                                     chunks.split(per_request), per_request) if n
-        ]
-        staging = torch.cat(parts).to(self.slot_v.device)
-        flat = miss_count.flatten()
-        staging_start = (flat.cumsum(0) - flat).view_as(miss_count).to(torch.int32)
-        ops.scatter_values(staging, staging_start, miss_slots, miss_count, self.slot_v)
+        shape = (sum(per_request), self.params.chunk_size, self.slot_v.shape[-1])
+        staging = transfer.host_staging(shape, self.slot_v)
+        start = 0
+        for key, h, ch, n in zip(self.store_keys, hi.cpu().split(per_request),
+                                 chunks.cpu().split(per_request), per_request):
+            if n:
+                store.gather_into(key, h, ch, staging[start:start + n])
+                start += n
+        return transfer.to_device_async(staging, self.slot_v.device)
 
     def _refresh_slots(self, q: torch.Tensor, store: ValueStore) -> None:
-        scores = ops.landmark_scores(q, self.landmarks, self.lm_start, self.lm_count,
-                                     self.max_landmarks, 1.0 / math.sqrt(q.shape[-1]))
+        if self.params.selection == "sink_recent":
+            scores = sink_recent_scores(self.landmark_chunks, self.lm_start, self.lm_count,
+                                        self.max_landmarks)
+        else:
+            scores = ops.landmark_scores(q, self.landmarks, self.lm_start, self.lm_count,
+                                         self.max_landmarks, 1.0 / math.sqrt(q.shape[-1]))
         selected = ops.select_chunks(scores, self.landmark_chunks, self.lm_start, self.lm_count,
                                      self.params.select_chunks)
         self.slot_chunks, miss_slots, miss_count = assign_slots(self.slot_chunks, selected)
         if int(miss_count.sum()) == 0:
             return
+        # Keys first: on CUDA the rebuild runs while the host gathers and copies the values.
         ops.rebuild_keys(self.a, self.a_positions, self.a_start, self.b, self.slot_chunks,
                          miss_slots, miss_count, self.rope, self.slot_k)
-        self._fetch_values(miss_slots, miss_count, store)
+        staging = self._fetch_values(miss_slots, miss_count, store)
+        flat = miss_count.flatten()
+        staging_start = (flat.cumsum(0) - flat).view_as(miss_count).to(torch.int32)
+        ops.scatter_values(staging, staging_start, miss_slots, miss_count, self.slot_v)
 
 
 def decode_step(

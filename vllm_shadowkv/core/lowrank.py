@@ -13,13 +13,17 @@ def factorize_keys(keys_pre: torch.Tensor, rank: int) -> tuple[torch.Tensor, tor
     same rank-r optimum as U_r S_r V_r^T (Eckart-Young), and Psi is also the basis ShadowKV+
     needs to project generated keys (A row = k Psi). Squaring the condition number only blurs the
     discarded small directions. With r = h_kv*d, Psi is a full orthonormal basis: A B = K.
+
+    The eigh runs in float64: keys often have a low intrinsic rank (most eigenvalues ~0), and
+    fp32 eigh (MKL) was seen to return NaN eigenvectors or fail to converge on such matrices
+    inside the engine. The matrix is small, so float64 costs little next to the Gram GEMM.
     """
     num_tokens, num_heads, head_dim = keys_pre.shape
     flat = keys_pre.reshape(num_tokens, num_heads * head_dim).float()
     r = min(rank, num_heads * head_dim)
     gram = flat.T @ flat
-    _, eigvecs = torch.linalg.eigh(gram)  # ascending eigenvalues
-    psi = eigvecs[:, -r:].flip(-1)  # [h_kv*d, r], largest first
+    _, eigvecs = torch.linalg.eigh(gram.double())  # ascending eigenvalues
+    psi = eigvecs[:, -r:].flip(-1).float()  # [h_kv*d, r], largest first
     a = flat @ psi
     b = psi.T.reshape(r, num_heads, head_dim).transpose(0, 1).contiguous()
     return a, b

@@ -2,6 +2,10 @@
 
 from dataclasses import dataclass
 
+# "landmarks": the paper's top-k over chunk landmarks. "sink_recent": a naive baseline that
+# ignores the query: the first chunk (attention sinks) plus the most recent chunks.
+SELECTIONS = ("landmarks", "sink_recent")
+
 
 @dataclass(frozen=True)
 class ShadowKVParams:
@@ -22,6 +26,7 @@ class ShadowKVParams:
     # ShadowKV+ (§7.1): fold full chunks of generated tokens into the low-rank pool. Off as in
     # the base method; not implemented yet, so `validate` refuses it.
     seal_generated: bool = False
+    selection: str = "landmarks"
 
     @property
     def select_chunks(self) -> int:
@@ -40,6 +45,7 @@ class ShadowKVParams:
             ("local_chunks", self.local_chunks >= 0, "must be >= 0"),
             ("min_compress_tokens", self.min_compress_tokens >= 0, "must be >= 0"),
             ("seal_generated", not self.seal_generated, "ShadowKV+ sealing is not implemented"),
+            ("selection", self.selection in SELECTIONS, f"must be one of {', '.join(SELECTIONS)}"),
         ]
         for name, ok, rule in checks:
             if not ok:

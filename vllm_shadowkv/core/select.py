@@ -36,6 +36,20 @@ def landmark_scores(
     return out
 
 
+def sink_recent_scores(
+    landmark_chunks: torch.Tensor, lm_start: torch.Tensor, lm_count: torch.Tensor, max_count: int
+) -> torch.Tensor:
+    """The naive baseline's scores, same shape and padding as `landmark_scores`: chunk 0 (the
+    attention sinks) first, then the others by recency, whatever the query."""
+    batch, h_kv = lm_start.shape[0], landmark_chunks.shape[1]
+    idx = torch.arange(max_count, device=landmark_chunks.device)
+    valid = idx < lm_count.view(-1, 1)  # [B, n]
+    rows = (lm_start.view(-1, 1) + idx).clamp(max=landmark_chunks.shape[0] - 1)
+    chunks = landmark_chunks[rows.long()].transpose(1, 2).float()  # [B, h_kv, n]
+    scores = torch.where(chunks == 0, float(2**24), chunks + 1.0)
+    return torch.where(valid.view(batch, 1, max_count), scores, -1.0)
+
+
 def select_chunks(
     scores: torch.Tensor,
     landmark_chunks: torch.Tensor,

@@ -14,8 +14,9 @@ class ValueStore(Protocol):
     def put(self, key: Hashable, values: torch.Tensor) -> None:
         """Keep `values` [h_kv, n_chunks, chunk_size, d] of one request (one layer) under `key`."""
 
-    def gather(self, key: Hashable, heads: torch.Tensor, chunks: torch.Tensor) -> torch.Tensor:
-        """Rows (heads[i], chunks[i]) of `key` -> [M, chunk_size, d] on the caller's device."""
+    def gather_into(self, key: Hashable, heads: torch.Tensor, chunks: torch.Tensor,
+                    out: torch.Tensor) -> torch.Tensor:
+        """Rows (heads[i], chunks[i]) of `key` into host tensor `out` [M, chunk_size, d]."""
 
     def free(self, key: Hashable) -> None:
         """Give back everything held for `key`."""
@@ -34,6 +35,10 @@ class InMemoryValueStore:
     def gather(self, key: Hashable, heads: torch.Tensor, chunks: torch.Tensor) -> torch.Tensor:
         values = self._values[key]
         return values[heads.to(self.device).long(), chunks.to(self.device).long()]
+
+    def gather_into(self, key: Hashable, heads: torch.Tensor, chunks: torch.Tensor,
+                    out: torch.Tensor) -> torch.Tensor:
+        return out.copy_(self.gather(key, heads, chunks))
 
     def free(self, key: Hashable) -> None:
         self._values.pop(key, None)

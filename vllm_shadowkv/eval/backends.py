@@ -8,6 +8,10 @@
                                       down to whole chunks (at least one chunk) and outlier_chunks
                                       scaled with the length like the paper's 48 chunks at 128K
     shadowkv@1.56%:{"rank":160}       ... plus fixed settings (not sparse_budget/outlier_chunks)
+    sink_recent@1.56%                 the naive baseline at the same attended-token count: shadowkv
+                                      with selection "sink_recent" (first chunk + most recent
+                                      chunks, no landmark selection) and no outliers, their tokens
+                                      added to its budget instead
     NAME[:{json}]                     any other registered backend, the same way
 
 The settings keys are the backend's own (``rank``, ``chunk_size``, ``sparse_budget``,
@@ -22,6 +26,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 SHADOWKV = "shadowkv"
+SINK_RECENT = "sink_recent"  # shorthand for shadowkv with {"selection": "sink_recent"}
 # The paper's outlier share: 48 chunks of 8 tokens at 128K tokens (0.29 % of the context).
 PAPER_OUTLIER_CHUNKS, PAPER_CHUNK_SIZE, PAPER_CONTEXT = 48, 8, 128 * 1024
 OUTLIER_RATIO = PAPER_OUTLIER_CHUNKS * PAPER_CHUNK_SIZE / PAPER_CONTEXT
@@ -58,11 +63,11 @@ class BackendSpec:
         if self.budget_ratio is None:
             return self
         chunk = int(self.settings.get("chunk_size", DEFAULT_CHUNK_SIZE))
+        budget, outliers = budget_tokens(self.budget_ratio, length, chunk), outlier_chunks(length, chunk)
+        if self.settings.get("selection") == SINK_RECENT:  # same tokens attended, none chosen
+            budget, outliers = budget + outliers * chunk, 0
         return replace(self, budget_ratio=None, settings={
-            **self.settings,
-            "sparse_budget": budget_tokens(self.budget_ratio, length, chunk),
-            "outlier_chunks": outlier_chunks(length, chunk),
-        })
+            **self.settings, "sparse_budget": budget, "outlier_chunks": outliers})
 
     def llm_kwargs(self) -> dict:
         """Keyword arguments for ``vllm.LLM`` (and, flag by flag, for ``vllm serve``)."""
@@ -104,10 +109,12 @@ def parse(spec: str) -> BackendSpec:
         if settings or at:
             raise ValueError("the default backend takes no settings")
         return BackendSpec(spec, None)
+    if name.lower() == SINK_RECENT:
+        name, settings = SHADOWKV, {**settings, "selection": SINK_RECENT}
     ratio = None
     if at:
         if name.lower() != SHADOWKV:
-            raise ValueError(f"backend spec {spec!r}: a budget ratio (@R%) is for {SHADOWKV} only")
+            raise ValueError(f"backend spec {spec!r}: a budget ratio (@R%) is for {SHADOWKV} and {SINK_RECENT} only")
         ratio_text = ratio_text.strip()
         if not ratio_text.endswith("%"):
             raise ValueError(f"backend spec {spec!r}: write the budget as a percentage, e.g. @1.56%")

@@ -150,6 +150,14 @@ def decode_score(tokenizer, sample: tasks.Sample, token_ids, text: str) -> float
     return tasks.string_match_all(text, rest) if rest else None
 
 
+def not_sparse(records: list[dict]) -> list[dict]:
+    """Shadowkv records that should have decoded sparsely and did not (mode, or no sparse
+    decode step although the request generated more than its first token, which comes from
+    the prefill)."""
+    return [r for r in records if "mode" in r and r["expected_sparse"] and (
+        r["mode"] != "sparse" or (len(r["output_token_ids"] or ()) > 1 and not r["decode_steps"]))]
+
+
 def write_json(args, argv, specs, records, engine_rows, started, complete: bool) -> dict:
     summary = report.summarize(records)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -235,10 +243,11 @@ def main(argv: list[str] | None = None) -> dict:
     print(table)
     # A shadowkv run that silently decoded densely would measure the wrong thing: refuse it
     # (after writing the results, which show the offending requests' modes).
-    wrong = [r for r in records if "mode" in r and r["expected_sparse"] and r["mode"] != "sparse"]
+    wrong = not_sparse(records)
     if wrong:
         raise SystemExit(f"{len(wrong)} shadowkv request(s) expected to decode sparsely did not: "
-                         + ", ".join(f"{r['backend']} {r['task']} {r['length']} mode={r['mode']}"
+                         + ", ".join(f"{r['backend']} {r['task']} {r['length']} mode={r['mode']} "
+                                     f"decode_steps={r['decode_steps']}"
                                      for r in wrong[:10]))
     return summary
 

@@ -124,16 +124,28 @@ class CpuValueStore:
 
     def gather(self, key: Hashable, heads: torch.Tensor, chunks: torch.Tensor) -> torch.Tensor:
         """Rows (heads[i], chunks[i]) of `key` -> [M, c, d] on the CPU."""
-        return self._gather(key, heads, chunks, pin=False)
+        out = torch.empty((len(heads), self.chunk_size, self.head_dim), dtype=self.dtype)
+        return self.gather_into(key, heads, chunks, out)
 
     def gather_into(self, key: Hashable, heads: torch.Tensor, chunks: torch.Tensor,
-                    out: torch.Tensor, non_blocking: bool = True) -> torch.Tensor:
-        """`gather` into `out` [M, c, d] on any device. To CUDA the rows are staged in pinned
-        memory and copied asynchronously on the current stream (run this under the caller's copy
-        stream to overlap it). No sync is needed before the staging buffer is dropped: torch's
-        pinned allocator does not reuse it until the copy's recorded event completes."""
-        staged = self._gather(key, heads, chunks, pin=out.is_cuda)
-        out.copy_(staged, non_blocking=non_blocking and out.is_cuda)
+                    out: torch.Tensor) -> torch.Tensor:
+        """`gather` into the CPU tensor `out` [M, c, d] (a slice of the decode step's pinned
+        staging buffer on CUDA, which the core then copies on its copy stream)."""
+        entry = self._entries.get(key)
+        if entry is None:
+            raise KeyError(f"value store has no values for key {key!r} (never put, or freed)")
+        heads, chunks = heads.cpu().long(), chunks.cpu().long()
+        if len(heads) and not (0 <= heads.min() and heads.max() < entry.num_heads
+                               and 0 <= chunks.min() and chunks.max() < entry.num_chunks):
+            raise IndexError(f"value store: key {key!r} holds {entry.num_heads} heads x "
+                             f"{entry.num_chunks} chunks; asked for heads {heads.tolist()}, "
+                             f"chunks {chunks.tolist()}")
+        for extent, at, local in self._by_extent(entry, heads * entry.num_chunks + chunks):
+            if at is None:
+                torch.index_select(extent, 0, local, out=out)
+            else:
+                out[at] = extent.index_select(0, local)
+        self.bytes_fetched += out.numel() * out.element_size()
         return out
 
     def free(self, key: Hashable) -> None:
@@ -164,27 +176,6 @@ class CpuValueStore:
             self._page_extent += [extent_id] * size
             self._page_base += range(0, size * self.page_rows, self.page_rows)
             self._free += range(allocated, allocated + size)
-
-    def _gather(self, key: Hashable, heads: torch.Tensor, chunks: torch.Tensor,
-                pin: bool) -> torch.Tensor:
-        entry = self._entries.get(key)
-        if entry is None:
-            raise KeyError(f"value store has no values for key {key!r} (never put, or freed)")
-        heads, chunks = heads.cpu().long(), chunks.cpu().long()
-        if len(heads) and not (0 <= heads.min() and heads.max() < entry.num_heads
-                               and 0 <= chunks.min() and chunks.max() < entry.num_chunks):
-            raise IndexError(f"value store: key {key!r} holds {entry.num_heads} heads x "
-                             f"{entry.num_chunks} chunks; asked for heads {heads.tolist()}, "
-                             f"chunks {chunks.tolist()}")
-        out = torch.empty((len(heads), self.chunk_size, self.head_dim), dtype=self.dtype,
-                          pin_memory=pin)
-        for extent, at, local in self._by_extent(entry, heads * entry.num_chunks + chunks):
-            if at is None:
-                torch.index_select(extent, 0, local, out=out)
-            else:
-                out[at] = extent.index_select(0, local)
-        self.bytes_fetched += out.numel() * out.element_size()
-        return out
 
     def _by_extent(self, entry: _Entry, rows: torch.Tensor
                    ) -> Iterator[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]]:

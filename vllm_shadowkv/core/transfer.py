@@ -1,0 +1,33 @@
+"""Host-to-device copies of fetched values on a dedicated stream, overlapping the key rebuild.
+
+The decode step queues the key rebuild on the compute stream first, then gathers the missed
+value rows on the host (into pinned memory) and copies them on the copy stream; the compute
+stream waits for the copy only where the values are scattered into their slots. On the CPU
+everything is synchronous and nothing moves.
+"""
+
+import torch
+
+_copy_streams: dict[torch.device, "torch.cuda.Stream"] = {}
+
+
+def host_staging(shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+    """A host buffer of `like`'s dtype to gather into: pinned when `like` is on CUDA, so that
+    the copy is asynchronous (torch's pinned allocator holds it until the copy is done)."""
+    return torch.empty(shape, dtype=like.dtype, pin_memory=like.is_cuda)
+
+
+def to_device_async(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`host` on `device`. To CUDA: copied on this device's copy stream; the current stream
+    waits for it, so work queued on the current stream before this call overlaps the copy."""
+    if device.type != "cuda":
+        return host.to(device)
+    compute = torch.cuda.current_stream(device)
+    stream = _copy_streams.get(device)
+    if stream is None:
+        stream = _copy_streams[device] = torch.cuda.Stream(device)
+    with torch.cuda.stream(stream):
+        out = host.to(device, non_blocking=True)
+    compute.wait_stream(stream)
+    out.record_stream(compute)  # allocated on the copy stream, consumed on the compute stream
+    return out
