@@ -46,7 +46,10 @@ class ShadowKVCollector:
             except (OSError, ValueError):
                 continue  # a worker replacing its file right now
             for key, value in snap.items():
-                totals[key] = totals.get(key, 0) + value
+                # Every tensor-parallel rank runs every request (on its own KV heads): request
+                # counts are the same on all ranks, traffic and store bytes add up.
+                combine = max if key.startswith(("running_", "finished_")) else sum
+                totals[key] = combine((totals.get(key, 0), value))
         return totals
 
     def collect(self):

@@ -4,7 +4,8 @@ usage: generate.py REQUEST.json RESULT.json
 REQUEST: {"model", "attention_backend" (or null), "batches": [[prompt, ...], ...],
           "max_tokens", "engine_kwargs": {...}}
 RESULT:  {"backends": {layer: backend name}, "batches": [[{"token_ids", "logprobs"}, ...], ...],
-          "stats": [shadowkv_stats after each batch] (shadowkv only)}
+          "stats": [shadowkv_stats of rank 0 after each batch] (shadowkv only),
+          "rank_stats": [[shadowkv_stats of each rank] after each batch] (shadowkv only)}
 """
 
 import json
@@ -29,7 +30,9 @@ if __name__ == "__main__":  # vLLM spawns its engine core: keep the entry point 
     for prompts in request["batches"]:
         outputs = llm.generate(prompts, params, use_tqdm=False)
         if request.get("attention_backend"):
-            result.setdefault("stats", []).append(llm.collective_rpc("shadowkv_stats")[0])
+            ranks = llm.collective_rpc("shadowkv_stats")
+            result.setdefault("stats", []).append(ranks[0])
+            result.setdefault("rank_stats", []).append(ranks)
         result["batches"].append([
             {
                 "token_ids": list(o.outputs[0].token_ids),

@@ -81,3 +81,28 @@ def test_paper_ratio_answers_needles_with_fidelity_inside_the_engine(tmp_path):
     # Measured 0.01-0.08: the core's synthetic bound is 0.08 at this ratio; 0.15 leaves room for
     # bf16 and this model's diffuse (non-retrieval) heads.
     assert max(f["relative_error"] for f in fidelity) < 0.15
+
+
+def test_tensor_parallel_ranks_each_compress_their_own_kv_heads(tiny_model, tmp_path):
+    """Tensor parallelism (2 ranks, multiprocessing executor: the CPU platform has no Ray): each
+    rank holds 2 of the 4 KV heads, compresses them at its own full rank (2 x 64) into its own
+    value store, and the covering-budget output equals the default backend's on one rank."""
+    batch = [PROMPTS[0], long_prompt(450, 2)]  # ~2.8K tokens
+    common = {"model": tiny_model, "batches": [batch], "max_tokens": 8,
+              "engine_kwargs": {"max_model_len": 4096, "enable_prefix_caching": False}}
+    ref = generate_in_fresh_process({**common, "attention_backend": None}, _dir(tmp_path, "ref"))
+    settings = {"rank": 128, "sparse_budget": 4096, "outlier_chunks": 8, "min_sparse_len": 2048}
+    test = generate_in_fresh_process(
+        {**common, "attention_backend": "shadowkv",
+         "engine_kwargs": {**common["engine_kwargs"], "tensor_parallel_size": 2,
+                           "distributed_executor_backend": "mp",
+                           "additional_config": {"shadowkv": settings}}},
+        _dir(tmp_path, "tp2"), timeout=900)
+    assert_greedy_close(ref["batches"][0], test["batches"][0], names=("default", "shadowkv tp2"))
+    ranks = test["rank_stats"][0]
+    assert len(ranks) == 2
+    for rank in ranks:
+        modes = sorted(s["mode"] for s in rank["finished"].values())
+        assert modes == ["dense", "sparse"], modes
+        store = rank["store"]
+        assert store["bytes_fetched"] > 0 and store["used_bytes"] == store["num_keys"] == 0
