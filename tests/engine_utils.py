@@ -25,13 +25,15 @@ def engine_env() -> dict[str, str]:
     return env
 
 
-def generate_in_fresh_process(request: dict, tmp_path: Path, timeout: float = 600) -> dict:
-    """Run tests/integration/generate.py in a new interpreter; return its JSON result."""
+def generate_in_fresh_process(request: dict, tmp_path: Path, timeout: float = 600,
+                              env: dict[str, str] | None = None) -> dict:
+    """Run tests/integration/generate.py in a new interpreter (``env`` on top of
+    ``engine_env()``); return its JSON result."""
     spec, out = tmp_path / "request.json", tmp_path / "result.json"
     spec.write_text(json.dumps(request))
     proc = subprocess.run(
         [sys.executable, str(GENERATE_SCRIPT), str(spec), str(out)],
-        env=engine_env(), cwd=tmp_path, capture_output=True, text=True, timeout=timeout,
+        env={**engine_env(), **(env or {})}, cwd=tmp_path, capture_output=True, text=True, timeout=timeout,
     )
     if proc.returncode != 0:
         raise AssertionError(f"generate.py failed ({proc.returncode}):\n{proc.stderr[-6000:]}")

@@ -1,5 +1,6 @@
 """ShadowKV sparse decode inside a real vLLM engine (CPU, fresh processes, tiny local model)."""
 
+import os
 import random
 
 import pytest
@@ -92,12 +93,15 @@ def test_tensor_parallel_ranks_each_compress_their_own_kv_heads(tiny_model, tmp_
               "engine_kwargs": {"max_model_len": 4096, "enable_prefix_caching": False}}
     ref = generate_in_fresh_process({**common, "attention_backend": None}, _dir(tmp_path, "ref"))
     settings = {"rank": 128, "sparse_budget": 4096, "outlier_chunks": 8, "min_sparse_len": 2048}
+    cpus = sorted(os.sched_getaffinity(0))
+    # vLLM's automatic thread binding wants a NUMA node per rank; give each rank its own core.
+    bind = "|".join(map(str, cpus[:2])) if len(cpus) >= 2 else "nobind"
     test = generate_in_fresh_process(
         {**common, "attention_backend": "shadowkv",
          "engine_kwargs": {**common["engine_kwargs"], "tensor_parallel_size": 2,
                            "distributed_executor_backend": "mp",
                            "additional_config": {"shadowkv": settings}}},
-        _dir(tmp_path, "tp2"), timeout=900)
+        _dir(tmp_path, "tp2"), timeout=900, env={"VLLM_CPU_OMP_THREADS_BIND": bind})
     assert_greedy_close(ref["batches"][0], test["batches"][0], names=("default", "shadowkv tp2"))
     ranks = test["rank_stats"][0]
     assert len(ranks) == 2
