@@ -124,3 +124,37 @@ def test_causal_attention_matches_masked_sdpa(q_len, s_len):
         q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask,
         enable_gqa=True, scale=0.25).transpose(0, 1)
     torch.testing.assert_close(request_attention.causal_attention(q, k, v, 0.25), ref)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_paged_sparse_decode_on_cuda_matches_cpu():
+    """The backend's per-request path as the engine runs it on a GPU (pages in device memory,
+    compiled kernels, values in a pinned CpuValueStore fetched on the copy stream) against the
+    same path on the CPU, at a budget below the context."""
+    from vllm_shadowkv.store import CpuValueStore
+
+    h, hq, d, p, gen = 2, 8, 64, 1500, 4
+    config = ShadowKVConfig(rank=96, sparse_budget=128, outlier_chunks=4, local_window=16,
+                            min_sparse_len=256)
+    layout = make_layout(h=h, d=d, config=config, dtype=torch.bfloat16)
+    g = torch.Generator().manual_seed(3)
+    cache, block_ids = _pages_for(layout, p, p + gen, g)
+    positions = torch.arange(p + gen)
+    rope = _rope(d)
+    k = apply_rope(torch.randn(p + gen, h, d, generator=g), positions, rope).bfloat16()
+    v = torch.randn(p + gen, h, d, generator=g).bfloat16()
+    queries = torch.randn(gen, 1, hq, d, generator=g).bfloat16()
+    outs = {}
+    for device in ("cpu", "cuda"):
+        dev_cache, dev_blocks = cache.clone().to(device), block_ids.to(device)
+        store = CpuValueStore(1 << 26, torch.bfloat16, config.chunk_size, d,
+                              pin_memory=device == "cuda")
+        blocks, slots = pages.exact_token_slots(layout, p, dev_blocks, positions.to(device))
+        pages.write_exact(dev_cache, layout, blocks, slots, k.to(device), v.to(device))
+        request_attention.compress(dev_cache, layout, p, dev_blocks, rope.to(device), store, "r")
+        outs[device] = [request_attention.sparse_attention(
+            dev_cache, layout, p, dev_blocks, p + i + 1, queries[i].to(device),
+            k[p + i: p + i + 1].to(device), v[p + i: p + i + 1].to(device), rope.to(device),
+            store, "r", d ** -0.5, RequestStats()).cpu() for i in range(gen)]
+    for got, ref in zip(outs["cuda"], outs["cpu"]):
+        torch.testing.assert_close(got, ref, atol=3e-2, rtol=3e-2)

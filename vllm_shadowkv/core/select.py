@@ -41,7 +41,7 @@ def sink_recent_scores(
 ) -> torch.Tensor:
     """The naive baseline's scores, same shape and padding as `landmark_scores`: chunk 0 (the
     attention sinks) first, then the others by recency, whatever the query."""
-    batch, h_kv = lm_start.shape[0], landmark_chunks.shape[1]
+    batch = lm_start.shape[0]
     idx = torch.arange(max_count, device=landmark_chunks.device)
     valid = idx < lm_count.view(-1, 1)  # [B, n]
     rows = (lm_start.view(-1, 1) + idx).clamp(max=landmark_chunks.shape[0] - 1)
