@@ -114,18 +114,22 @@ class DecodeBatch:
         self.gen_k[rows, :, cols] = k_new.to(self.gen_k.dtype)
         self.gen_v[rows, :, cols] = v_new.to(self.gen_v.dtype)
 
-    def _fetch_values(self, miss_slots, miss_count, store: ValueStore) -> torch.Tensor:
-        """The missed value rows, (b, h, miss) in row-major order, gathered on the host and
-        copied to the slots' device on the copy stream (see transfer.py)."""
+    def _missed_rows(self, miss_slots, miss_count) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        """(KV head, chunk id) of every missed slot on the host, (b, h, miss) in row-major
+        order, and the count per request."""
         valid = torch.arange(miss_slots.shape[-1], device=miss_slots.device) < miss_count.unsqueeze(-1)
         bi, hi, mi = valid.nonzero(as_tuple=True)
         chunks = self.slot_chunks[bi, hi, miss_slots[bi, hi, mi].long()]
-        per_request = miss_count.sum(dim=-1).tolist()
-        shape = (sum(per_request), self.params.chunk_size, self.slot_v.shape[-1])
+        return hi.cpu(), chunks.cpu(), miss_count.sum(dim=-1).tolist()
+
+    def _fetch_values(self, heads, chunks, per_request, store: ValueStore) -> torch.Tensor:
+        """The missed value rows gathered on the host and copied to the slots' device on the copy
+        stream (see transfer.py)."""
+        shape = (len(heads), self.params.chunk_size, self.slot_v.shape[-1])
         staging = transfer.host_staging(shape, self.slot_v)
         start = 0
-        for key, h, ch, n in zip(self.store_keys, hi.cpu().split(per_request),
-                                 chunks.cpu().split(per_request), per_request):
+        for key, h, ch, n in zip(self.store_keys, heads.split(per_request),
+                                 chunks.split(per_request), per_request):
             if n:
                 store.gather_into(key, h, ch, staging[start:start + n])
                 start += n
@@ -143,10 +147,13 @@ class DecodeBatch:
         self.slot_chunks, miss_slots, miss_count = assign_slots(self.slot_chunks, selected)
         if int(miss_count.sum()) == 0:
             return
-        # Keys first: on CUDA the rebuild runs while the host gathers and copies the values.
+        # The host needs the missed rows before the rebuild is queued: reading them after would
+        # wait for the rebuild. Then, on CUDA, the rebuild runs while the host gathers the
+        # values and the copy stream moves them.
+        heads, chunks, per_request = self._missed_rows(miss_slots, miss_count)
         ops.rebuild_keys(self.a, self.a_positions, self.a_start, self.b, self.slot_chunks,
                          miss_slots, miss_count, self.rope, self.slot_k)
-        staging = self._fetch_values(miss_slots, miss_count, store)
+        staging = self._fetch_values(heads, chunks, per_request, store)
         flat = miss_count.flatten()
         staging_start = (flat.cumsum(0) - flat).view_as(miss_count).to(torch.int32)
         ops.scatter_values(staging, staging_start, miss_slots, miss_count, self.slot_v)
