@@ -8,6 +8,7 @@ recomputed from scratch, so its old values are stale).
 
 from __future__ import annotations
 
+import functools
 import weakref
 
 _EXPECTED = ["self", "scheduler_output"]
@@ -35,6 +36,7 @@ def apply() -> None:
     GPUModelRunner._update_states = _update_states
 
 
+@functools.cache
 def _logger():
     from vllm.logger import init_logger
 

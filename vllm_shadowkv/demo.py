@@ -18,6 +18,8 @@ import tempfile
 import urllib.request
 from pathlib import Path
 
+from vllm_shadowkv.eval import tasks
+from vllm_shadowkv.eval.retrieval_model import FIXTURE
 from vllm_shadowkv.introspect import EXTENSION_CLASS
 from vllm_shadowkv.server import post_json, serve
 
@@ -27,17 +29,13 @@ DEMO_SETTINGS = {"sparse_budget": 64, "outlier_chunks": 2, "min_sparse_len": 102
 DEMO_LENGTH = 4096
 
 
-def needle_question():
-    """The retrieval model and a niah_multivalue sample: four values for one key, three of which
+def needle_question() -> tasks.Sample:
+    """A niah_multivalue sample for the retrieval model: four values for one key, three of which
     the model can only give from sparse decode steps (the first comes from the exact prefill)."""
     from transformers import AutoTokenizer
 
-    from vllm_shadowkv.eval import tasks
-    from vllm_shadowkv.eval.retrieval_model import FIXTURE
-
-    sample = tasks.generate("niah_multivalue", AutoTokenizer.from_pretrained(str(FIXTURE)),
-                            DEMO_LENGTH, depth=0.5, seed=0)
-    return str(FIXTURE), sample
+    return tasks.generate("niah_multivalue", AutoTokenizer.from_pretrained(str(FIXTURE)),
+                          DEMO_LENGTH, depth=0.5, seed=0)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -49,8 +47,8 @@ def main(argv: list[str] | None = None) -> None:
                         help=f"JSON settings (default: {json.dumps(DEMO_SETTINGS)})")
     args = parser.parse_args(argv)
 
-    model, sample = needle_question()
-    model = args.model or model
+    model = args.model or str(FIXTURE)
+    sample = None if args.prompt else needle_question()
     prompt = args.prompt or sample.prompt + sample.answer_prefix
     serve_args = [
         "--attention-backend", "shadowkv",
@@ -76,9 +74,7 @@ def main(argv: list[str] | None = None) -> None:
     usage = reply["usage"]
     print(f"\nprompt:   {usage['prompt_tokens']} tokens, ...{prompt[-90:]!r}")
     print(f"answer:   {answer!r}")
-    if not args.prompt:
-        from vllm_shadowkv.eval import tasks
-
+    if sample is not None:
         print(f"expected: {', '.join(sample.answers)} -> score "
               f"{tasks.score(sample, answer):.2f} (all four values found = 1.00)")
     print(f"backend:  {', '.join(sorted(set(layers.values())))} in all {len(layers)} attention "

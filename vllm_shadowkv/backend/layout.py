@@ -28,7 +28,7 @@ import torch
 
 from vllm_shadowkv.config import ShadowKVConfig
 from vllm_shadowkv.core.params import ShadowKVParams
-from vllm_shadowkv.store import PAGE_ROWS
+from vllm_shadowkv.store import paged_bytes
 
 ALIGN = 16  # bytes; keeps every state field aligned for any dtype view
 
@@ -156,7 +156,7 @@ class PageLayout:
         the store's whole pages (what ``CpuValueStore.put`` takes), every layer."""
         rows = self.compressed_tokens(prompt_len) // self.config.chunk_size * self.num_kv_heads
         row_bytes = self.config.chunk_size * self.head_size * self.elem_bytes
-        return -(-rows // PAGE_ROWS) * PAGE_ROWS * row_bytes * num_layers
+        return paged_bytes(rows, row_bytes) * num_layers
 
     def token_block(self, prompt_len: int, position: int) -> tuple[int, int]:
         """(index in the request's block list, exact slot in that page) of an exact token."""

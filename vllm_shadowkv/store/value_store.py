@@ -27,6 +27,11 @@ def _pow2_floor(n: int) -> int:
 PAGE_ROWS = 256  # rows (one chunk of one KV head) per page; the block manager accounts in pages
 
 
+def paged_bytes(num_rows: int, row_bytes: int, page_rows: int = PAGE_ROWS) -> int:
+    """What `num_rows` rows take in the store: whole pages (the unit it allocates)."""
+    return -(-num_rows // page_rows) * page_rows * row_bytes
+
+
 class ValueStoreFull(RuntimeError):
     """A put needs more pages than the capacity has free."""
 
@@ -85,7 +90,7 @@ class CpuValueStore:
 
     def bytes_needed(self, num_heads: int, num_chunks: int) -> int:
         """What a put of [num_heads, num_chunks, c, d] takes: whole pages."""
-        return -(-num_heads * num_chunks // self.page_rows) * self.page_bytes
+        return paged_bytes(num_heads * num_chunks, self.row_bytes, self.page_rows)
 
     def can_fit(self, nbytes: int) -> bool:
         return nbytes <= self.capacity_bytes - self.used_bytes
