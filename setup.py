@@ -10,6 +10,8 @@ PACKAGES = {
     "vllm_shadowkv.backend": "vllm_shadowkv/backend",
     "vllm_shadowkv.core": "vllm_shadowkv/core",
     "vllm_shadowkv.eval": "vllm_shadowkv/eval",
+    "vllm_shadowkv.methods": "vllm_shadowkv/methods",
+    "vllm_shadowkv.methods.shadowkv": "vllm_shadowkv/methods/shadowkv",
     "vllm_shadowkv.store": "vllm_shadowkv/store",
     "vllm_shadowkv.triton_kernels": "triton_kernels",
     "vllm_shadowkv.patches": "patches",
@@ -27,8 +29,9 @@ setup(
     package_data={"vllm_shadowkv.eval": ["fixtures/**/*"]},
     install_requires=["torch", "tqdm"],
     extras_require={
-        "test": ["pytest", "pytest-timeout", "requests", "openai"],
-        "bench": ["matplotlib"],
+        # gguf and accelerate: transformers' GGUF loader, to convert the smollm2 model.
+        "test": ["pytest", "pytest-timeout", "requests", "openai", "gguf", "accelerate"],
+        "bench": ["matplotlib", "gguf", "accelerate"],
     },
     entry_points={
         "vllm.general_plugins": ["shadowkv = vllm_shadowkv.plugin:register"],

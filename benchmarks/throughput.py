@@ -20,7 +20,7 @@ output), time per output token (TPOT, per request ``(last_token_ts - first_token
 from vLLM's request metrics, averaged; also the TPOT of the request whose prompt finished last,
 which decodes with no prompt being prefilled alongside), time to first token, preemptions, and
 for shadowkv the per-request mode, slot hit rate and bytes fetched from the value store
-(``llm.collective_rpc("shadowkv_stats")``). Ratios are shadowkv / default. Every engine runs
+(``llm.collective_rpc("kv_compression_stats")``). Ratios are shadowkv / default. Every engine runs
 with OMP_NUM_THREADS=1 (``--threads``): on a 2-core machine shared with other jobs, vLLM's
 default of 2 OpenMP threads made single MKL calls (``torch.linalg.eigh`` in the compression)
 stall for seconds.
@@ -190,8 +190,8 @@ def child_main(args) -> None:
         "first_tokens": [list(o.outputs[0].token_ids[:8]) for o in outputs[:2]],
     })
     if backend == "shadowkv":
-        stats = llm.collective_rpc("shadowkv_stats")[0]
-        result["shadowkv_stats"] = shadowkv_summary(stats, {o.request_id for o in outputs})
+        stats = llm.collective_rpc("kv_compression_stats")[0]
+        result["kv_compression_stats"] = shadowkv_summary(stats, {o.request_id for o in outputs})
     Path(args.child_out).write_text(json.dumps(result, indent=1))
     os._exit(0)  # skip engine teardown
 
@@ -232,9 +232,9 @@ def ratios(runs: list[dict], contexts) -> list[dict]:
             "shadowkv_decode_tpot_ms": 1e3 * s["tpot_last_started_s"],
             "decode_tpot_ratio": s["tpot_last_started_s"] / d["tpot_last_started_s"],
             "default_ttft_s": d["ttft_s_mean"], "shadowkv_ttft_s": s["ttft_s_mean"],
-            "shadowkv_hit_rate": s["shadowkv_stats"]["hit_rate"],
-            "shadowkv_bytes_fetched": s["shadowkv_stats"]["bytes_fetched"],
-            "shadowkv_sparse_requests": s["shadowkv_stats"]["modes"]["sparse"],
+            "shadowkv_hit_rate": s["kv_compression_stats"]["hit_rate"],
+            "shadowkv_bytes_fetched": s["kv_compression_stats"]["bytes_fetched"],
+            "shadowkv_sparse_requests": s["kv_compression_stats"]["modes"]["sparse"],
             "preemptions": d["preemptions"] + s["preemptions"],
             "default_resident": d["resident_at_last_first_token"],
             "shadowkv_resident": s["resident_at_last_first_token"],

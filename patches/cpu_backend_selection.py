@@ -1,7 +1,7 @@
 """Let vLLM's CPU platform honour ``--attention-backend shadowkv``.
 
 ``CpuPlatform.get_attn_backend_cls`` returns ``CPU_ATTN`` whatever backend was selected. When the
-selection is this plugin's backend, validate it the way the CUDA platform validates a selected
+selection is this plugin's engine backend, validate it the way the CUDA platform validates a selected
 backend and return it; every other selection goes to the original method unchanged.
 """
 
@@ -22,18 +22,18 @@ def apply() -> None:
     original_func = original.__func__
 
     def get_attn_backend_cls(cls, selected_backend, attn_selector_config, num_heads=None):
-        from vllm_shadowkv.plugin import BACKEND_CLASS_PATH, selects_shadowkv
+        from vllm_shadowkv.plugin import BACKEND_CLASS_PATH, is_engine_backend
 
-        if not selects_shadowkv(selected_backend):
+        if not is_engine_backend(selected_backend):
             return original_func(cls, selected_backend, attn_selector_config, num_heads)
-        from vllm_shadowkv.backend.attention import ShadowKVBackend
+        from vllm_shadowkv.backend.attention import KVCompressionBackend
 
-        reasons = ShadowKVBackend.validate_configuration(
+        reasons = KVCompressionBackend.validate_configuration(
             device_capability=None, **attn_selector_config._asdict()
         )
         if reasons:
             raise ValueError(
-                f"The shadowkv attention backend cannot serve this layer: {'; '.join(reasons)} "
+                f"The vllm-shadowkv attention backend cannot serve this layer: {'; '.join(reasons)} "
                 f"({attn_selector_config!r})"
             )
         return BACKEND_CLASS_PATH

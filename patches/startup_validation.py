@@ -1,9 +1,11 @@
-"""Validate shadowkv settings and the model in the front-end process, at engine config time.
+"""Resolve the selected method and validate it in the front-end process, at engine config time.
 
 vLLM has no plugin hook that sees the finished engine config before workers start; the platform's
-``check_and_update_config`` is the last step of ``VllmConfig.__post_init__`` and runs in the
-process that parses the user's options. Wrapping it makes a bad setting or an unsupported model
-fail there, with our message, before any worker or weight is loaded.
+``check_and_update_config`` runs in ``VllmConfig.__post_init__``, in the process that parses the
+user's options. Wrapping it makes a bad setting or an unsupported model fail there, with our
+message, before any worker or weight is loaded; it is also where a method's name is turned into
+vLLM's ``CUSTOM`` slot plus the stamp that carries the method to the engine processes
+(``vllm_shadowkv/plugin.py`` says why).
 """
 
 from __future__ import annotations
@@ -24,13 +26,12 @@ def apply() -> None:
     original_func = original.__func__
 
     def check_and_update_config(cls, vllm_config):
-        original_func(cls, vllm_config)  # first: it settles block size and cache dtype
-        from vllm_shadowkv.plugin import is_shadowkv_selected
+        from vllm_shadowkv.backend.engine_check import select_method, validate_engine
 
-        if is_shadowkv_selected(vllm_config):
-            from vllm_shadowkv.backend.model_check import validate_engine
-
-            validate_engine(vllm_config)
+        method = select_method(vllm_config)  # before vLLM's checks: they see CUSTOM
+        original_func(cls, vllm_config)  # then: it settles block size and cache dtype
+        if method is not None:
+            validate_engine(vllm_config, method)
 
     check_and_update_config._shadowkv_original = original_func
     platform_cls.check_and_update_config = classmethod(check_and_update_config)

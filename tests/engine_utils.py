@@ -28,7 +28,7 @@ def engine_env() -> dict[str, str]:
 def generate_in_fresh_process(request: dict, tmp_path: Path, timeout: float = 600,
                               env: dict[str, str] | None = None) -> dict:
     """Run tests/integration/generate.py in a new interpreter (``env`` on top of
-    ``engine_env()``); return its JSON result."""
+    ``engine_env()``); return its JSON result, with the process's output under "log"."""
     spec, out = tmp_path / "request.json", tmp_path / "result.json"
     spec.write_text(json.dumps(request))
     proc = subprocess.run(
@@ -37,7 +37,7 @@ def generate_in_fresh_process(request: dict, tmp_path: Path, timeout: float = 60
     )
     if proc.returncode != 0:
         raise AssertionError(f"generate.py failed ({proc.returncode}):\n{proc.stderr[-6000:]}")
-    return json.loads(out.read_text())
+    return json.loads(out.read_text()) | {"log": proc.stdout + proc.stderr}
 
 
 def assert_greedy_close(ref: list[dict], test: list[dict], names=("ref", "test"), tol=0.15):

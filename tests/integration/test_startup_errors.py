@@ -11,20 +11,75 @@ import pytest
 from vllm.engine.arg_utils import EngineArgs
 
 
-def engine_config(model, **kwargs):
-    args = EngineArgs(model=model, attention_backend="shadowkv", enforce_eager=True, **kwargs)
+from vllm_shadowkv.config import STAMP_KEY
+
+
+def engine_config(model, backend="shadowkv", **kwargs):
+    args = EngineArgs(model=model, attention_backend=backend, enforce_eager=True, **kwargs)
     return args.create_engine_config()
 
 
-def test_defaults_are_accepted(tiny_model):
+def test_defaults_are_accepted_and_stamped(tiny_model):
     config = engine_config(tiny_model)
-    assert config.attention_config.backend.name == "CUSTOM"  # SHADOWKV is an alias of CUSTOM
+    assert config.attention_config.backend.name == "CUSTOM"  # the method travels in the stamp
+    stamp = config.additional_config[STAMP_KEY]
+    assert stamp["method"] == "shadowkv"
+    assert stamp["settings"]["rank"] == 40  # 160 of 1024 key channels, at this model's 256
+    assert stamp["store_bytes"] == 16 << 30
+
+
+@pytest.mark.parametrize("name", ["minikv", "TailorKV", "SPECACHE"])
+def test_a_method_not_built_yet_is_refused_with_the_built_ones(tiny_model, name):
+    with pytest.raises(ValueError, match=f"--attention-backend {name.lower()} is not built yet; "
+                                         "available: shadowkv"):
+        engine_config(tiny_model, backend=name)
+
+
+def test_settings_for_another_method_are_refused(tiny_model):
+    with pytest.raises(ValueError, match="settings for 'minikv', but the attention backend is "
+                                         "'shadowkv'"):
+        engine_config(tiny_model, additional_config={"minikv": {"bits": 2}})
+
+
+def test_custom_without_a_method_is_refused(tiny_model):
+    with pytest.raises(ValueError, match="select one of its methods by name"):
+        engine_config(tiny_model, backend="CUSTOM")
+
+
+def test_a_store_too_small_for_one_prompt_fails_before_loading_in_mib(tiny_model):
+    # 4 layers x 4 KV heads x 64 dims x bf16 values of a 4096-token prompt: about 8 MiB.
+    with pytest.raises(ValueError) as err:
+        engine_config(tiny_model, max_model_len=4096,
+                      additional_config={"shadowkv": {"value_store_gib": 0.0073}})
+    message = str(err.value)
+    assert "host store (7.5 MiB per worker, from shadowkv.value_store_gib)" in message
+    assert "cannot hold one 4096-token prompt (8.0 MiB per worker)" in message
+    assert "raise shadowkv.value_store_gib to at least 0.0078" in message
+
+
+def test_kv_offloading_size_is_the_host_store(tiny_model):
+    config = engine_config(tiny_model, kv_offloading_size=2.0)
+    assert config.additional_config[STAMP_KEY]["store_bytes"] == 2 << 30
+    assert config.kv_transfer_config is None  # vLLM's own offloading connector is not started
+    explicit = engine_config(tiny_model, kv_offloading_size=2.0,
+                             additional_config={"shadowkv": {"value_store_gib": 0.5}})
+    assert explicit.additional_config[STAMP_KEY]["store_bytes"] == 1 << 29
+
+
+def test_a_kv_connector_beside_the_host_store_is_refused(tiny_model):
+    from vllm.config import KVTransferConfig
+
+    with pytest.raises(ValueError, match="cannot run with a KV connector"):
+        engine_config(tiny_model, kv_transfer_config=KVTransferConfig(
+            kv_connector="OffloadingConnector", kv_role="kv_both"))
+    with pytest.raises(ValueError, match="--kv-offloading-backend lmcache cannot share"):
+        engine_config(tiny_model, kv_offloading_size=2.0, kv_offloading_backend="lmcache")
 
 
 @pytest.mark.parametrize(
     "settings, message",
     [
-        ({"rnak": 64}, "unknown shadowkv setting(s) 'rnak'; allowed: rank, chunk_size"),
+        ({"rnak": 64}, "unknown shadowkv setting(s) 'rnak'; allowed: min_sparse_len, value_store_gib"),
         ({"rank": "64"}, "shadowkv.rank must be an integer, got '64'"),
         ({"rank": 64.5}, "shadowkv.rank must be an integer"),
         ({"local_window": True}, "shadowkv.local_window must be an integer, got True"),
@@ -33,6 +88,7 @@ def test_defaults_are_accepted(tiny_model):
         ({"chunk_size": 24, "sparse_budget": 240}, "chunk_size (24) must divide the KV block size (128)"),
         ({"rank": 512}, "rank (512) exceeds the key width of this model: num_kv_heads (4) x "
                         "head_dim (64) = 256; allowed: 1..256"),
+        ({"rank": None, "chunk_size": 0}, "shadowkv.chunk_size must be >= 1, got 0"),
         ({"min_sparse_len": 0}, "shadowkv.min_sparse_len must be >= 1"),
         ({"value_store_gib": 0}, "shadowkv.value_store_gib must be > 0"),
         ([1, 2], "additional_config.shadowkv must be a JSON object"),
@@ -46,7 +102,7 @@ def test_bad_setting_fails_at_startup(tiny_model, settings, message):
 
 def test_settings_json_string_from_cli(tiny_model):
     config = engine_config(tiny_model, additional_config={"shadowkv": json.dumps({"rank": 96})})
-    assert config.additional_config["shadowkv"]
+    assert config.additional_config[STAMP_KEY]["settings"]["rank"] == 96
 
 
 def test_unsupported_kv_cache_dtype(tiny_model):
@@ -56,8 +112,9 @@ def test_unsupported_kv_cache_dtype(tiny_model):
 
 def test_backend_name_any_case(tiny_model):
     lower = EngineArgs(model=tiny_model, attention_backend="shadowkv").create_engine_config()
-    upper = EngineArgs(model=tiny_model, attention_backend="SHADOWKV").create_engine_config()
+    upper = EngineArgs(model=tiny_model, attention_backend="ShadowKV").create_engine_config()
     assert lower.attention_config.backend is upper.attention_config.backend
+    assert lower.additional_config == upper.additional_config
 
 
 LLAMA = {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4,

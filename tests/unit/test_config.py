@@ -1,42 +1,87 @@
+"""Settings: parsing, types, ranges, the per-method key, defaults scaled to the model."""
+
 import pytest
 
-from vllm_shadowkv.config import ShadowKVConfig, ShadowKVConfigError
+from vllm_shadowkv.config import Stamp, parse_settings, settings_block, store_bytes
+from vllm_shadowkv.methods import METHODS, NAMES, PLANNED, method_class
+from vllm_shadowkv.methods.base import KVShapes, SettingsError
+from vllm_shadowkv.methods.shadowkv import ShadowKVSettings
 
 
-def test_paper_defaults():
-    c = ShadowKVConfig.from_additional_config({})
-    assert (c.rank, c.chunk_size, c.sparse_budget, c.outlier_chunks, c.local_window) == (
-        160, 8, 2048, 48, 32)
-    assert c.selected_chunks == 256 and c.min_sparse_len == 4096
+def shapes(kv_heads=8, head=128, block=16):
+    import torch
+
+    return KVShapes(kv_heads, head, torch.bfloat16, block, num_layers=2, max_model_len=8192)
 
 
-def test_overrides_and_other_plugins_keys_ignored():
-    c = ShadowKVConfig.from_additional_config(
-        {"shadowkv": {"rank": 96, "value_store_gib": 2}, "other_plugin": {"x": 1}})
-    assert c.rank == 96 and c.value_store_gib == 2.0 and isinstance(c.value_store_gib, float)
+def test_paper_defaults_with_the_rank_scaled_to_the_key_width():
+    s = parse_settings(ShadowKVSettings, {})
+    assert (s.rank, s.chunk_size, s.sparse_budget, s.outlier_chunks, s.local_window) == (
+        None, 8, 2048, 48, 32)
+    assert s.resolved(shapes(8, 128)).rank == 160  # the paper's 160 of 1024 channels
+    assert s.resolved(shapes(4, 64)).rank == 40
+    assert s.resolved(shapes(4, 32)).rank == 20
+    assert s.resolved(shapes(3, 64)).rank == 30
+    explicit = parse_settings(ShadowKVSettings, {"rank": 96})
+    assert explicit.resolved(shapes(4, 32)) is explicit  # explicit settings stay exact...
+    with pytest.raises(SettingsError, match=r"rank \(96\) exceeds the key width"):
+        explicit.check_engine(shapes(4, 16))  # ...and are refused when they cannot apply
 
 
-def test_json_string_value():
-    assert ShadowKVConfig.from_additional_config({"shadowkv": '{"chunk_size": 16}'}).chunk_size == 16
+def test_other_plugins_keys_are_ignored_and_json_strings_parse():
+    raw = settings_block({"shadowkv": '{"chunk_size": 16}', "other_plugin": {"x": 1}}, "shadowkv")
+    assert parse_settings(ShadowKVSettings, raw).chunk_size == 16
+    s = parse_settings(ShadowKVSettings, {"value_store_gib": 2})
+    assert s.value_store_gib == 2.0 and isinstance(s.value_store_gib, float)
+
+
+def test_a_block_for_another_method_is_an_error():
+    with pytest.raises(SettingsError, match="settings for 'minikv', but the attention backend "
+                                            "is 'shadowkv'"):
+        settings_block({"minikv": {}}, "shadowkv")
 
 
 @pytest.mark.parametrize("engine, message", [
-    (dict(block_size=16, num_kv_heads=8, head_size=128), None),
-    (dict(block_size=12, num_kv_heads=8, head_size=128), "must divide the KV block size (12)"),
-    (dict(block_size=16, num_kv_heads=1, head_size=128), "rank (160) exceeds the key width"),
+    (dict(block=16), None),
+    (dict(block=12), "must divide the KV block size (12)"),
 ])
 def test_engine_checks(engine, message):
-    config = ShadowKVConfig()
+    settings = ShadowKVSettings()
     if message is None:
-        config.check_engine(**engine)
+        settings.check_engine(shapes(**engine))
     else:
-        with pytest.raises(ShadowKVConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
-            config.check_engine(**engine)
+        with pytest.raises(SettingsError, match=message.replace("(", r"\(").replace(")", r"\)")):
+            settings.check_engine(shapes(**engine))
 
 
 def test_selection_names_the_allowed_modes():
-    assert ShadowKVConfig.from_dict({"selection": "sink_recent"}).selection == "sink_recent"
-    with pytest.raises(ShadowKVConfigError, match="selection must be one of 'landmarks', 'sink_recent'"):
-        ShadowKVConfig.from_dict({"selection": "recent"})
-    with pytest.raises(ShadowKVConfigError, match="selection must be a string"):
-        ShadowKVConfig.from_dict({"selection": 1})
+    assert parse_settings(ShadowKVSettings, {"selection": "sink_recent"}).selection == "sink_recent"
+    with pytest.raises(SettingsError, match="selection must be one of 'landmarks', 'sink_recent'"):
+        parse_settings(ShadowKVSettings, {"selection": "recent"})
+    with pytest.raises(SettingsError, match="selection must be a string"):
+        parse_settings(ShadowKVSettings, {"selection": 1})
+
+
+def test_method_table_and_planned_names():
+    assert set(NAMES) == {"shadowkv", "minikv", "tailorkv", "specache"}
+    assert method_class("ShadowKV") is METHODS["shadowkv"]
+    for name in PLANNED:
+        with pytest.raises(SettingsError, match=f"{name} is not built yet; available: shadowkv"):
+            method_class(name)
+
+
+def test_store_size_comes_from_kv_offloading_size_split_per_worker():
+    from types import SimpleNamespace
+
+    cache = SimpleNamespace(kv_offloading_size=8.0)
+    assert store_bytes(ShadowKVSettings(), cache, 4) == (2 << 30, "--kv-offloading-size")
+    override = ShadowKVSettings(value_store_gib=1.0)
+    assert store_bytes(override, cache, 4) == (1 << 30, "shadowkv.value_store_gib")
+    assert store_bytes(ShadowKVSettings(), SimpleNamespace(kv_offloading_size=None), 1)[0] == 16 << 30
+
+
+def test_stamp_round_trips_through_json():
+    import json
+
+    stamp = Stamp("shadowkv", ShadowKVSettings(rank=40), 123)
+    assert Stamp.from_json(json.loads(json.dumps(stamp.to_json()))) == stamp

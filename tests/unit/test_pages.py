@@ -1,31 +1,40 @@
-"""The page layout and page I/O of the shadowkv backend, without an engine."""
+"""The engine's page layout and ShadowKV's pages, through the method's hooks, without vLLM."""
 
 import pytest
 import torch
 
-from vllm_shadowkv.backend import pages, request_attention
+from vllm_shadowkv.backend.exact_attention import causal_attention, read_exact, write_exact
 from vllm_shadowkv.backend.layout import PageLayout
-from vllm_shadowkv.config import ShadowKVConfig
+from vllm_shadowkv.backend.worker_state import RequestStats
 from vllm_shadowkv.core.attention import attention_with_lse
 from vllm_shadowkv.core.compress import compress_prompt
 from vllm_shadowkv.core.decode import DecodeBatch, decode_step
 from vllm_shadowkv.core.rope import RopeCache, apply_rope
 from vllm_shadowkv.core.store import InMemoryValueStore
-from vllm_shadowkv.backend.worker_state import RequestStats
+from vllm_shadowkv.methods.base import KVShapes, LayerContext, RequestRows
+from vllm_shadowkv.methods.shadowkv import ShadowKVMethod, ShadowKVSettings
 
-CONFIG = ShadowKVConfig(rank=64, sparse_budget=64, outlier_chunks=4, local_window=16,
-                        min_sparse_len=256)
+SETTINGS = ShadowKVSettings(rank=64, sparse_budget=64, outlier_chunks=4, local_window=16,
+                            min_sparse_len=256)
 
 
-def make_layout(h=2, d=32, block_size=32, config=CONFIG, dtype=torch.float32):
-    return PageLayout(config, h, d, dtype, block_size)
+def make_layout(h=2, d=32, block_size=32, settings=SETTINGS, dtype=torch.float32):
+    shapes = KVShapes(h, d, dtype, block_size, num_layers=1, max_model_len=4096)
+    return PageLayout(ShadowKVMethod(settings.resolved(shapes), shapes))
+
+
+def context(cache, layout, rope, store, stats):
+    return LayerContext(index=0, kv_cache=cache, layout=layout, rope=rope, store=store,
+                        scale=layout.shapes.head_size ** -0.5, stats=lambda _: stats,
+                        reference_kv={})
 
 
 def test_llama8b_shapes_compress_7x_per_token():
-    layout = PageLayout(ShadowKVConfig(), 8, 128, torch.bfloat16, 128)
-    assert layout.slot_bytes == (160 + 128) * 2  # A row + landmark share: 576 B
+    layout = make_layout(8, 128, 128, ShadowKVSettings(), torch.bfloat16)
+    assert layout.method.settings.rank == 160  # the paper's rank at its key width (1024)
+    assert layout.page_bytes == 128 * (160 + 128) * 2  # A row + landmark share: 576 B/token
     assert layout.exact_token_bytes == 4096 and layout.exact_per_page == 18
-    assert layout.exact_token_bytes / layout.slot_bytes > 7
+    assert layout.exact_token_bytes * 128 / layout.page_bytes > 7
     # A 128K prompt after compression vs the same prompt held exactly (vLLM's default page):
     steady = layout.steady_blocks(131072) * layout.page_bytes
     assert 131072 * layout.exact_token_bytes / steady > 6
@@ -35,21 +44,27 @@ def test_phases_of_a_sparse_request():
     layout = make_layout()
     p = 1000
     assert layout.is_sparse(p) and not layout.is_sparse(255)
-    stage, packed, state = layout.exact_blocks(p), layout.packed_blocks(p), layout.state_blocks(p)
+    pages = layout.method.pages
+    stage, packed, state = layout.exact_blocks(p), pages.packed_blocks(p), pages.state_blocks(p)
+    assert layout.region_blocks(p) == packed + state
     assert layout.blocks_needed(p, 500) == layout.exact_blocks(500)  # still prefilling
     assert layout.blocks_needed(p, p) == stage + packed + state  # compression step
     assert layout.blocks_needed(p, p + 1) == stage + packed + state + 1
     assert layout.steady_blocks(p) == packed + state
-    # Generated tokens go after the state pages, prompt tokens to the staging pages.
-    assert layout.token_block(p, p + layout.exact_per_page) == (stage + packed + state + 1, 0)
-    assert layout.token_block(p, 5) == (0, 5)
-    assert layout.token_block(100, 100) == divmod(100, layout.exact_per_page)  # exact request
+    # Generated tokens go after the region, prompt tokens to the staging pages.
+    ids = torch.arange(layout.blocks_needed(p, p + 2 * layout.exact_per_page))
+    slot = lambda prompt_len, pos: tuple(  # noqa: E731
+        int(t) for t in layout.exact_token_slots(prompt_len, ids, torch.tensor([pos])))
+    assert slot(p, p + layout.exact_per_page) == (stage + packed + state + 1, 0)
+    assert slot(p, 5) == (0, 5)
+    assert slot(100, 100) == divmod(100, layout.exact_per_page)  # exact request
 
 
 def _pages_for(layout, prompt_len, total, generator):
     n = layout.blocks_needed(prompt_len, total)
-    cache = torch.zeros(n + 7, 1, layout.block_size, layout.slot_bytes // layout.elem_bytes,
-                        dtype=layout.dtype)
+    shapes = layout.shapes
+    cache = torch.zeros(n + 7, 1, layout.block_size, layout.page_bytes // layout.block_size
+                        // shapes.elem_bytes, dtype=shapes.dtype)
     block_ids = torch.randperm(n + 6, generator=generator)[:n] + 1  # block 0: vLLM's null block
     return cache, block_ids
 
@@ -61,9 +76,9 @@ def test_exact_tokens_round_trip_through_permuted_pages():
     cache, block_ids = _pages_for(layout, p, total, g)
     positions = torch.arange(total)
     k, v = torch.randn(total, 2, 32, generator=g), torch.randn(total, 2, 32, generator=g)
-    blocks, slots = pages.exact_token_slots(layout, p, block_ids, positions)
-    pages.write_exact(cache, layout, blocks, slots, k, v)
-    k2, v2 = pages.read_exact(cache, layout, p, block_ids, positions)
+    blocks, slots = layout.exact_token_slots(p, block_ids, positions)
+    write_exact(cache, layout, blocks, slots, k, v)
+    k2, v2 = read_exact(cache, layout, p, block_ids, positions)
     assert torch.equal(k2, k) and torch.equal(v2, v)
     assert len(set(zip(blocks.tolist(), slots.tolist()))) == total  # no two tokens share a slot
 
@@ -81,30 +96,32 @@ def test_compress_then_sparse_decode_from_pages(full):
     context both are dense attention."""
     g = torch.Generator().manual_seed(1)
     h, hq, d, p, gen = 2, 8, 32, 600, 3
-    config = CONFIG if not full else ShadowKVConfig(
+    settings = SETTINGS if not full else ShadowKVSettings(
         rank=h * d, sparse_budget=1024, outlier_chunks=4, local_window=16, min_sparse_len=256)
-    layout = make_layout(config=config)
+    layout = make_layout(settings=settings)
+    method = layout.method
     rope = _rope()
     total = p + gen
     cache, block_ids = _pages_for(layout, p, total, g)
     positions = torch.arange(total)
     k = apply_rope(torch.randn(total, h, d, generator=g), positions, rope)
     v = torch.randn(total, h, d, generator=g)
-    blocks, slots = pages.exact_token_slots(layout, p, block_ids, positions)
-    pages.write_exact(cache, layout, blocks, slots, k, v)
-    store = InMemoryValueStore()
-    request_attention.compress(cache, layout, p, block_ids, rope, store, "req")
-    core_store = InMemoryValueStore()
-    prompt = compress_prompt(k[:p], v[:p], positions[:p], rope, layout.params, core_store, "req")
-    batch = DecodeBatch.build([prompt], ["req"], rope, layout.params)
+    blocks, slots = layout.exact_token_slots(p, block_ids, positions)
+    write_exact(cache, layout, blocks, slots, k, v)
     stats = RequestStats()
+    ctx = context(cache, layout, rope, InMemoryValueStore(), stats)
+    method.finalize(ctx, RequestRows("req", p, p, 0, 0, block_ids), k[:p], v[:p])
+    core_store = InMemoryValueStore()
+    prompt = compress_prompt(k[:p], v[:p], positions[:p], rope, method.params, core_store,
+                             ("req", 0))
+    batch = DecodeBatch.build([prompt], [("req", 0)], rope, method.params)
     for step in range(gen):
         seq_len = p + step + 1
         q = torch.randn(1, hq, d, generator=g)
         new_k, new_v = k[seq_len - 1: seq_len], v[seq_len - 1: seq_len]
-        out = request_attention.sparse_attention(
-            cache, layout, p, block_ids, seq_len, q, new_k, new_v, rope, store, "req",
-            d ** -0.5, stats)
+        out = torch.zeros_like(q)
+        method.decode(ctx, [RequestRows("req", p, seq_len, 0, 1, block_ids)], q, new_k, new_v,
+                      out)
         core_out, _ = decode_step(batch, q[None], new_k[None], new_v[None], core_store, d ** -0.5)
         torch.testing.assert_close(out, core_out[0], atol=1e-5, rtol=1e-5)
         if full:
@@ -123,7 +140,7 @@ def test_causal_attention_matches_masked_sdpa(q_len, s_len):
     ref = torch.nn.functional.scaled_dot_product_attention(
         q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask,
         enable_gqa=True, scale=0.25).transpose(0, 1)
-    torch.testing.assert_close(request_attention.causal_attention(q, k, v, 0.25), ref)
+    torch.testing.assert_close(causal_attention(q, k, v, 0.25), ref)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -134,9 +151,10 @@ def test_paged_sparse_decode_on_cuda_matches_cpu():
     from vllm_shadowkv.store import CpuValueStore
 
     h, hq, d, p, gen = 2, 8, 64, 1500, 4
-    config = ShadowKVConfig(rank=96, sparse_budget=128, outlier_chunks=4, local_window=16,
-                            min_sparse_len=256)
-    layout = make_layout(h=h, d=d, config=config, dtype=torch.bfloat16)
+    settings = ShadowKVSettings(rank=96, sparse_budget=128, outlier_chunks=4, local_window=16,
+                                min_sparse_len=256)
+    layout = make_layout(h=h, d=d, settings=settings, dtype=torch.bfloat16)
+    method = layout.method
     g = torch.Generator().manual_seed(3)
     cache, block_ids = _pages_for(layout, p, p + gen, g)
     positions = torch.arange(p + gen)
@@ -147,14 +165,19 @@ def test_paged_sparse_decode_on_cuda_matches_cpu():
     outs = {}
     for device in ("cpu", "cuda"):
         dev_cache, dev_blocks = cache.clone().to(device), block_ids.to(device)
-        store = CpuValueStore(1 << 26, torch.bfloat16, config.chunk_size, d,
+        store = CpuValueStore(1 << 26, torch.bfloat16, (settings.chunk_size, d),
                               pin_memory=device == "cuda")
-        blocks, slots = pages.exact_token_slots(layout, p, dev_blocks, positions.to(device))
-        pages.write_exact(dev_cache, layout, blocks, slots, k.to(device), v.to(device))
-        request_attention.compress(dev_cache, layout, p, dev_blocks, rope.to(device), store, "r")
-        outs[device] = [request_attention.sparse_attention(
-            dev_cache, layout, p, dev_blocks, p + i + 1, queries[i].to(device),
-            k[p + i: p + i + 1].to(device), v[p + i: p + i + 1].to(device), rope.to(device),
-            store, "r", d ** -0.5, RequestStats()).cpu() for i in range(gen)]
+        blocks, slots = layout.exact_token_slots(p, dev_blocks, positions.to(device))
+        write_exact(dev_cache, layout, blocks, slots, k.to(device), v.to(device))
+        ctx = context(dev_cache, layout, rope.to(device), store, RequestStats())
+        method.finalize(ctx, RequestRows("r", p, p, 0, 0, dev_blocks), k[:p].to(device),
+                        v[:p].to(device))
+        outs[device] = []
+        for i in range(gen):
+            out = torch.zeros(1, hq, d, dtype=torch.bfloat16, device=device)
+            method.decode(ctx, [RequestRows("r", p, p + i + 1, 0, 1, dev_blocks)],
+                          queries[i].to(device), k[p + i: p + i + 1].to(device),
+                          v[p + i: p + i + 1].to(device), out)
+            outs[device].append(out.cpu())
     for got, ref in zip(outs["cuda"], outs["cpu"]):
         torch.testing.assert_close(got, ref, atol=3e-2, rtol=3e-2)

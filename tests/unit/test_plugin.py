@@ -18,33 +18,38 @@ def test_unsupported_vllm_version_is_refused():
             plugin.check_vllm_version(version)
 
 
-def test_register_is_idempotent_and_aliases_custom():
+def test_register_is_idempotent_and_names_every_method():
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
+    from vllm_shadowkv.methods import NAMES
+
     plugin.register()
     plugin.register()
-    assert AttentionBackendEnum["SHADOWKV"] is AttentionBackendEnum.CUSTOM
     assert AttentionBackendEnum.CUSTOM.get_path() == plugin.BACKEND_CLASS_PATH
-    assert AttentionBackendEnum.CUSTOM.get_class().get_name() == "SHADOWKV"
+    for name in NAMES:
+        member = AttentionBackendEnum[name.upper()]
+        assert plugin.named_method(member) == name
+        assert member.get_path() == plugin.BACKEND_CLASS_PATH
 
 
-def test_alias_survives_the_trip_to_a_fresh_process():
-    """What the spawned engine core does: unpickle before loading plugins, then load them."""
+def test_custom_slot_survives_the_trip_to_a_fresh_process():
+    """What the spawned engine core does: unpickle before loading plugins, then load them. The
+    front end hands it CUSTOM (the method travels in the config's stamp)."""
     import pickle
 
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
     plugin.register()
-    payload = pickle.dumps(AttentionBackendEnum["SHADOWKV"]).hex()
+    payload = pickle.dumps(AttentionBackendEnum.CUSTOM).hex()
     code = (
         "import pickle\n"
         f"backend = pickle.loads(bytes.fromhex('{payload}'))\n"
         "from vllm.plugins import load_general_plugins\n"
         "load_general_plugins()\n"
-        "print(backend.name, backend.get_class().get_name())\n"
+        "print(backend.name, backend.get_path())\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.split()[-2:] == ["CUSTOM", "SHADOWKV"]
+    assert out.stdout.split()[-2:] == ["CUSTOM", plugin.BACKEND_CLASS_PATH]
 
 
 def test_cpu_selection_patch_honours_shadowkv_only():
@@ -81,6 +86,9 @@ def test_patches_are_installed_on_the_live_vllm():
     assert CpuPlatform.get_attn_backend_cls.__func__._shadowkv_original is not None
     assert type(current_platform).check_and_update_config.__func__._shadowkv_original is not None
     assert GPUModelRunner._update_states._shadowkv_original is not None
+    from vllm.model_executor.layers.attention.attention import Attention
+
+    assert Attention.get_kv_cache_spec._shadowkv_original is not None
 
 
 def test_released_requests_are_finished_preempted_and_resumed():
@@ -99,12 +107,12 @@ def test_released_requests_are_finished_preempted_and_resumed():
 def test_kv_spec_is_registered_with_its_manager():
     from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 
-    from vllm_shadowkv.backend.kv_spec import ShadowKVManager, ShadowKVSpec
+    from vllm_shadowkv.backend.kv_spec import CompressedKVManager, CompressedKVSpec
 
     plugin.register()
-    spec = ShadowKVSpec(block_size=128, num_kv_heads=8, head_size=128, dtype=__import__(
+    spec = CompressedKVSpec(block_size=128, num_kv_heads=8, head_size=128, dtype=__import__(
         "torch").bfloat16, num_head_slots=1, state_content_bytes=576)
-    assert KVCacheSpecRegistry.get_manager_class(spec) is ShadowKVManager
+    assert KVCacheSpecRegistry.get_manager_class(spec) is CompressedKVManager
     assert spec.page_size_bytes == 128 * 576
 
 

@@ -5,7 +5,7 @@ import random
 import pytest
 import torch
 
-from vllm_shadowkv.core.compress import compress_prompts
+from vllm_shadowkv.core.compress import compress_prompt
 from vllm_shadowkv.core.decode import DecodeBatch, decode_step
 from vllm_shadowkv.core.params import ShadowKVParams
 from vllm_shadowkv.core.rope import RopeCache, apply_rope
@@ -16,7 +16,7 @@ C, D = 8, 16
 
 
 def make_store(capacity_bytes=1 << 24, dtype=torch.float32, page_rows=16):
-    return CpuValueStore(capacity_bytes, dtype, chunk_size=C, head_dim=D, page_rows=page_rows,
+    return CpuValueStore(capacity_bytes, dtype, row_shape=(C, D), page_rows=page_rows,
                          pin_memory=False)
 
 
@@ -94,7 +94,7 @@ def test_capacity_is_enforced_and_a_failed_put_changes_nothing():
     message = str(err.value)
     assert isinstance(err.value, RuntimeError)
     for part in ("('req-c', 3)", f"needs {store.page_bytes} bytes", "0 bytes free",
-                 str(store.capacity_bytes), "shadowkv.value_store_gib"):
+                 str(store.capacity_bytes), "value_store_gib or --kv-offloading-size"):
         assert part in message
     assert (store.used_bytes, store.allocated_bytes, store.num_keys, store.bytes_put,
             list(store._free)) == before
@@ -112,7 +112,7 @@ def test_misuse_is_refused():
         store.put("k", values(2, 3))
     with pytest.raises(ValueError, match="expected"):
         store.put("other", values(2, 3, torch.bfloat16))
-    with pytest.raises(IndexError, match="2 heads x 3 chunks"):
+    with pytest.raises(IndexError, match="2 heads x 3 rows"):
         store.gather("k", torch.tensor([0]), torch.tensor([3]))
     store.clear()
     assert store.num_keys == 0 and store.used_bytes == 0 and store.allocated_bytes > 0
@@ -121,7 +121,7 @@ def test_misuse_is_refused():
 
 
 def test_allocation_is_lazy():
-    store = CpuValueStore(1 << 40, torch.bfloat16, chunk_size=8, head_dim=128, pin_memory=False)
+    store = CpuValueStore(1 << 40, torch.bfloat16, row_shape=(8, 128), pin_memory=False)
     assert store.allocated_bytes == 0 and store.capacity_bytes == 1 << 40
     src = torch.randn(8, 300, 8, 128).bfloat16()
     store.put("k", src)
@@ -169,8 +169,11 @@ def test_decode_step_is_identical_with_the_in_memory_store():
     ids = [("a", 0), ("b", 0), ("c", 0)]
     cu = [0] + torch.tensor(lengths).cumsum(0).tolist()
     stores = [InMemoryValueStore(), make_store(page_rows=8)]
-    batches = [DecodeBatch.build(compress_prompts(keys, vals, pos, cu, rope, params, s, ids),
-                                 ids, rope, params) for s in stores]
+    def compressed(store):
+        return [compress_prompt(keys[a:b], vals[a:b], pos[a:b], rope, params, store, key)
+                for a, b, key in zip(cu[:-1], cu[1:], ids)]
+
+    batches = [DecodeBatch.build(compressed(s), ids, rope, params) for s in stores]
     assert stores[1].num_keys == 2  # the exact request puts nothing
     for step in range(4):
         q = torch.randn(3, 1, h_kv * group, d)

@@ -1,9 +1,11 @@
-"""The ``shadowkv`` attention backend in vLLM's four-class shape.
+"""The engine's attention backend in vLLM's four-class shape, shared by every method.
 
-``ShadowKVBackend`` declares what the backend supports and its page format (``customize_spec``),
-``ShadowKVMetadata`` is one step's batch, ``ShadowKVMetadataBuilder`` makes it (request ids,
-prompt lengths, where each new token's K/V goes), and ``ShadowKVImpl`` stores K/V and runs each
-request's attention in its phase (``request_attention``): exact, compress, or sparse decode.
+``KVCompressionBackend`` declares what the engine supports, ``EngineMetadata`` is one step's
+batch, ``EngineMetadataBuilder`` makes it (request ids, prompt lengths, where each new token's
+K/V goes), and ``EngineImpl`` stores K/V and runs each request in its phase: exact attention
+over the exact pages (short requests, prefill), the method's ``prefill_chunk`` and ``finalize``
+hooks as a long prompt is prefilled and completed, and the method's ``decode`` for the
+compressed requests of the step, all of them in one call.
 """
 
 from __future__ import annotations
@@ -23,18 +25,18 @@ from vllm.v1.attention.backend import (
     CommonAttentionMetadata,
     MultipleOf,
 )
-from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
+from vllm.v1.kv_cache_interface import KVCacheLayout
 
-from vllm_shadowkv import BACKEND_NAME
-from vllm_shadowkv.backend import pages, request_attention
-from vllm_shadowkv.backend.kv_spec import ShadowKVSpec
+from vllm_shadowkv.backend.engine_check import SUPPORTED_KV_CACHE_DTYPES
+from vllm_shadowkv.backend.exact_attention import exact_attention, read_exact, write_exact
+from vllm_shadowkv.backend.kv_spec import CompressedKVSpec
 from vllm_shadowkv.backend.layout import PageLayout
-from vllm_shadowkv.backend.model_check import SUPPORTED_KV_CACHE_DTYPES
 from vllm_shadowkv.backend.worker_state import STATE, EngineFacts
 from vllm_shadowkv.core.rope import RopeCache
+from vllm_shadowkv.methods.base import LayerContext, RequestRows
 
 
-class ShadowKVBackend(AttentionBackend):
+class KVCompressionBackend(AttentionBackend):
     accept_output_buffer: bool = True
     forward_includes_kv_cache_update: bool = False
 
@@ -43,15 +45,15 @@ class ShadowKVBackend(AttentionBackend):
 
     @staticmethod
     def get_name() -> str:
-        return BACKEND_NAME
+        return "CUSTOM"  # vLLM's slot this plugin fills; the method is the impl's
 
     @staticmethod
-    def get_impl_cls() -> type[ShadowKVImpl]:
-        return ShadowKVImpl
+    def get_impl_cls() -> type[EngineImpl]:
+        return EngineImpl
 
     @staticmethod
-    def get_builder_cls() -> type[ShadowKVMetadataBuilder]:
-        return ShadowKVMetadataBuilder
+    def get_builder_cls() -> type[EngineMetadataBuilder]:
+        return EngineMetadataBuilder
 
     @staticmethod
     def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list[int | MultipleOf]:
@@ -73,25 +75,9 @@ class ShadowKVBackend(AttentionBackend):
     def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
         return (KVCacheLayout.LBHNC,)  # each page one contiguous run of bytes per layer
 
-    @classmethod
-    def customize_spec(cls, spec: AttentionSpec) -> AttentionSpec:
-        """Pages sized for compressed tokens (``layout.PageLayout``), one head slot per token."""
-        if isinstance(spec, ShadowKVSpec):
-            return spec
-        engine = STATE.engine
-        layout = PageLayout(engine.config, spec.num_kv_heads, spec.head_size, spec.dtype,
-                            spec.block_size)
-        return ShadowKVSpec(
-            block_size=spec.block_size, num_kv_heads=spec.num_kv_heads,
-            head_size=spec.head_size, head_size_v=spec.head_size_v, dtype=spec.dtype,
-            kv_quant_mode=spec.kv_quant_mode, num_head_slots=1,
-            state_content_bytes=layout.slot_bytes, shadowkv=engine.config,
-            max_model_len=engine.max_model_len, num_layers=engine.num_layers,
-        )
-
 
 @dataclass
-class ShadowKVMetadata:
+class EngineMetadata:
     layout: PageLayout
     num_actual_tokens: int
     req_ids: list[str | None]  # None: a dummy row (profiling, warm-up)
@@ -103,16 +89,16 @@ class ShadowKVMetadata:
     write_slots: torch.Tensor  # [num_actual_tokens] exact slot in that page
 
 
-class ShadowKVMetadataBuilder(AttentionMetadataBuilder[ShadowKVMetadata]):
+class EngineMetadataBuilder(AttentionMetadataBuilder[EngineMetadata]):
     _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
 
-    def __init__(self, kv_cache_spec: ShadowKVSpec, layer_names: list[str],
+    def __init__(self, kv_cache_spec: CompressedKVSpec, layer_names: list[str],
                  vllm_config: VllmConfig, device: torch.device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.layout = kv_cache_spec.layout
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
-              fast_build: bool = False) -> ShadowKVMetadata:
+              fast_build: bool = False) -> EngineMetadata:
         m = common_attn_metadata
         num_reqs = m.num_reqs
         query_start_loc = m.query_start_loc_cpu[: num_reqs + 1].tolist()
@@ -125,11 +111,11 @@ class ShadowKVMetadataBuilder(AttentionMetadataBuilder[ShadowKVMetadata]):
         for i in range(num_reqs):
             q_len = query_start_loc[i + 1] - query_start_loc[i]
             positions = torch.arange(seq_lens[i] - q_len, seq_lens[i], device=block_table.device)
-            b, s = pages.exact_token_slots(self.layout, prompt_lens[i], block_table[i], positions)
+            b, s = self.layout.exact_token_slots(prompt_lens[i], block_table[i], positions)
             blocks.append(b)
             slots.append(s)
         empty = torch.zeros(0, dtype=torch.long, device=block_table.device)
-        return ShadowKVMetadata(
+        return EngineMetadata(
             layout=self.layout, num_actual_tokens=m.num_actual_tokens, req_ids=req_ids,
             prompt_lens=prompt_lens, query_start_loc=query_start_loc, seq_lens=seq_lens,
             block_table=block_table,
@@ -138,7 +124,7 @@ class ShadowKVMetadataBuilder(AttentionMetadataBuilder[ShadowKVMetadata]):
         )
 
 
-class ShadowKVImpl(AttentionImpl[ShadowKVMetadata]):
+class EngineImpl(AttentionImpl[EngineMetadata]):
     def __init__(
         self,
         num_heads: int,
@@ -153,6 +139,7 @@ class ShadowKVImpl(AttentionImpl[ShadowKVMetadata]):
         kv_sharing_target_layer_name: str | None = None,
         sinks: torch.Tensor | None = None,
     ) -> None:
+        facts = EngineFacts.from_vllm_config(get_current_vllm_config())
         unsupported = {
             "ALiBi slopes": alibi_slopes is not None,
             f"sliding window ({sliding_window})": sliding_window is not None,
@@ -165,17 +152,26 @@ class ShadowKVImpl(AttentionImpl[ShadowKVMetadata]):
         found = [name for name, bad in unsupported.items() if bad]
         if found:
             raise ValueError(
-                f"The shadowkv attention backend does not support {', '.join(found)}; it serves "
-                "decoder layers with full causal RoPE attention and a 16-bit KV cache"
-            )
-        STATE.engine = EngineFacts.from_vllm_config(get_current_vllm_config())
+                f"The {facts.stamp.method} attention backend does not support "
+                f"{', '.join(found)}; it serves decoder layers with full causal attention and a "
+                "16-bit KV cache")
+        STATE.engine = facts
         self.num_heads = num_heads
         self.head_size = head_size
         self.scale = float(scale)
         self.num_kv_heads = num_kv_heads or num_heads
         self.kv_cache_dtype = kv_cache_dtype
+        self.method_name = facts.stamp.method
         self._rope: RopeCache | None = None
         self._layer_index: int | None = None
+
+    def layer_kv_spec(self, spec, layer_name: str) -> CompressedKVSpec:
+        """This layer's pages (``patches/layer_kv_spec.py``)."""
+        from vllm.model_executor.models.utils import extract_layer_index
+
+        facts = STATE.engine
+        return CompressedKVSpec.for_layer(spec, facts.stamp, extract_layer_index(layer_name),
+                                          facts.max_model_len, facts.num_layers)
 
     def do_kv_cache_update(self, layer: torch.nn.Module, key: torch.Tensor, value: torch.Tensor,
                            kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -187,8 +183,8 @@ class ShadowKVImpl(AttentionImpl[ShadowKVMetadata]):
         if metadata is None:
             return
         n = metadata.num_actual_tokens
-        pages.write_exact(kv_cache, metadata.layout, metadata.write_blocks, metadata.write_slots,
-                          key[:n], value[:n])
+        write_exact(kv_cache, metadata.layout, metadata.write_blocks, metadata.write_slots,
+                    key[:n], value[:n])
 
     def forward(
         self,
@@ -197,46 +193,60 @@ class ShadowKVImpl(AttentionImpl[ShadowKVMetadata]):
         key: torch.Tensor,
         value: torch.Tensor,
         kv_cache: torch.Tensor,
-        attn_metadata: ShadowKVMetadata | None,
+        attn_metadata: EngineMetadata | None,
         output: torch.Tensor,
         output_scale: torch.Tensor | None = None,
         output_block_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if output_scale is not None or output_block_scale is not None:
-            raise NotImplementedError("shadowkv does not fuse output quantization")
+            raise NotImplementedError(f"{self.method_name} does not fuse output quantization")
         if attn_metadata is None:  # profiling run
             return output.fill_(0)
         m, layout = attn_metadata, attn_metadata.layout
+        method = layout.method
         n, h, hkv, d = m.num_actual_tokens, self.num_heads, self.num_kv_heads, self.head_size
         query, out = query[:n].view(n, h, d), output[:n].view(n, h, d)
         key, value = key[:n].view(n, hkv, d), value[:n].view(n, hkv, d)
+        ctx = self._context(layer, kv_cache, layout)
+        decoding: list[RequestRows] = []
         for i, req_id in enumerate(m.req_ids):
             start, end = m.query_start_loc[i], m.query_start_loc[i + 1]
             if end == start:
                 continue
-            prompt_len, seq_len, blocks = m.prompt_lens[i], m.seq_lens[i], m.block_table[i]
-            sparse = req_id is not None and layout.is_sparse(prompt_len)
+            req = RequestRows(req_id, m.prompt_lens[i], m.seq_lens[i], start, end,
+                              m.block_table[i])
+            sparse = req_id is not None and layout.is_sparse(req.prompt_len)
             if req_id is not None:
-                stats = STATE.request(req_id, prompt_len, sparse)
-            if sparse and seq_len - (end - start) >= prompt_len:
-                store_key = (req_id, self._index_of(layer))
-                out[start:end] = request_attention.sparse_attention(
-                    kv_cache, layout, prompt_len, blocks, seq_len, query[start:end],
-                    key[start:end], value[start:end], self._rope_of(layer),
-                    STATE.value_store(layout), store_key, self.scale, stats,
-                    reference=STATE.reference_kv.get(store_key))
+                STATE.request(req_id, req.prompt_len, sparse)
+            if sparse and req.seq_len - (end - start) >= req.prompt_len:
+                decoding.append(req)
                 continue
-            out[start:end] = request_attention.exact_attention(
-                kv_cache, layout, prompt_len, blocks, seq_len, query[start:end], self.scale)
-            if sparse and seq_len >= prompt_len:  # this step completed the prompt
-                layer_index = self._index_of(layer)
-                exact_kv = request_attention.compress(
-                    kv_cache, layout, prompt_len, blocks, self._rope_of(layer),
-                    STATE.value_store(layout), (req_id, layer_index))
-                STATE.compressed.setdefault(req_id, set()).add(layer_index)
-                if layout.config.measure_fidelity:
-                    STATE.reference_kv[(req_id, layer_index)] = tuple(t.cpu() for t in exact_kv)
+            out[start:end] = exact_attention(kv_cache, layout, req.prompt_len, req.block_ids,
+                                             req.seq_len, query[start:end], self.scale)
+            if not sparse:
+                continue
+            method.prefill_chunk(ctx, req, query[start:end], key[start:end], value[start:end])
+            if req.seq_len >= req.prompt_len:  # this step completed the prompt
+                self._finalize(ctx, req)
+        if decoding:
+            method.decode(ctx, decoding, query, key, value, out)
         return output
+
+    def _finalize(self, ctx: LayerContext, req: RequestRows) -> None:
+        positions = torch.arange(req.prompt_len, device=ctx.kv_cache.device)
+        keys, values = read_exact(ctx.kv_cache, ctx.layout, req.prompt_len, req.block_ids,
+                                  positions)
+        ctx.layout.method.finalize(ctx, req, keys, values)
+        STATE.compressed.setdefault(req.req_id, set()).add(ctx.index)
+        if ctx.layout.method.settings.measure_fidelity:
+            ctx.reference_kv[(req.req_id, ctx.index)] = (keys.cpu(), values.cpu())
+
+    def _context(self, layer, kv_cache, layout: PageLayout) -> LayerContext:
+        index = self._index_of(layer)
+        return LayerContext(
+            index=index, kv_cache=kv_cache, layout=layout,
+            rope=self._rope_of(layer), store=STATE.store(layout.method, index), scale=self.scale,
+            stats=STATE.requests.__getitem__, reference_kv=STATE.reference_kv)
 
     def _index_of(self, layer) -> int:
         if self._layer_index is None:
@@ -245,13 +255,14 @@ class ShadowKVImpl(AttentionImpl[ShadowKVMetadata]):
             self._layer_index = extract_layer_index(layer.layer_name)
         return self._layer_index
 
-    def _rope_of(self, layer) -> RopeCache:
-        """The model's own rotary embedding for this layer (every scaling variant matches)."""
+    def _rope_of(self, layer) -> RopeCache | None:
+        """The model's own rotary embedding for this layer (every scaling variant matches);
+        None for a model without one (only methods that do not need RoPE accept those)."""
         if self._rope is None:
             parent = layer.layer_name.rsplit(".", 1)[0]
             rotary = getattr(STATE.runner.get_model().get_submodule(parent), "rotary_emb", None)
             if rotary is None:
-                raise ValueError(f"shadowkv: layer {parent} has no rotary_emb; RoPE is required")
+                return None
             self._rope = RopeCache(rotary.cos_sin_cache.float(), rotary.rotary_dim,
                                    rotary.is_neox_style)
         return self._rope

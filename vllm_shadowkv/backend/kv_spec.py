@@ -1,41 +1,64 @@
-"""ShadowKV's KV-cache spec and block manager: compressed pages that vLLM's accounting sees.
+"""The engine's KV-cache spec and block manager: compressed pages that vLLM's accounting sees.
 
-``ShadowKVSpec`` sizes a page for compressed tokens (``layout.PageLayout``), so vLLM sizes its
-block pool, reports its token capacity and maximum concurrency in compressed tokens.
-``ShadowKVManager`` (vLLM's scheduler side) gives each request the blocks ``PageLayout`` says it
-needs in each phase (exact staging while prefilling, compressed pages + per-request state after,
-exact generated tokens), frees the staging once the prompt is compressed, and admits a long
-request only when its values fit in the CPU value store and fewer than ``max_staging_requests``
-prompts are being staged. A request that does not fit waits; the scheduler never admits work
-that then runs out of memory.
+``CompressedKVSpec`` sizes a layer's page for the method's compressed tokens, so vLLM sizes its
+block pool and reports token capacity and maximum concurrency in compressed tokens. Layers whose
+pages differ (a per-layer policy) get different specs, which vLLM groups under one block table
+(``UniformTypeKVCacheSpecs``): the block counts are the method's, the same for every layer.
+``CompressedKVManager`` (vLLM's scheduler side) gives each request the blocks ``PageLayout``
+says it needs in each phase (exact staging while prefilling, the method's region after, exact
+generated tokens), frees the staging once the prompt is finalized, and admits a long request
+only when its rows fit in the host store and fewer than ``max_staging_requests`` prompts are
+being staged. A request that does not fit waits; the scheduler never admits work that then
+runs out of memory.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from vllm.logger import init_logger
 from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
-from vllm.v1.kv_cache_interface import FullAttentionSpec
+from vllm.v1.kv_cache_interface import FullAttentionSpec, UniformTypeKVCacheSpecs
 
 from vllm_shadowkv.backend.layout import PageLayout
-from vllm.logger import init_logger
-
-from vllm_shadowkv.config import ShadowKVConfig, ShadowKVConfigError
+from vllm_shadowkv.config import Stamp
+from vllm_shadowkv.methods.base import KVShapes, SettingsError
 
 logger = init_logger(f"vllm.{__name__}")  # under vLLM's handlers and level
-GiB = 1 << 30
 
 
 @dataclass(frozen=True, kw_only=True)
-class ShadowKVSpec(FullAttentionSpec):
-    shadowkv: ShadowKVConfig = ShadowKVConfig()
+class CompressedKVSpec(FullAttentionSpec):
+    method: str = ""
+    stamp: tuple = ()  # the front end's Stamp as sorted JSON items (hashable)
     max_model_len: int = 0
-    num_layers: int = 0  # attention layers on this worker (value-store accounting)
+    num_layers: int = 0  # attention layers on this worker
+
+    @classmethod
+    def for_layer(cls, spec: FullAttentionSpec, stamp: Stamp, layer: int, max_model_len: int,
+                  num_layers: int) -> CompressedKVSpec:
+        shapes = KVShapes(spec.num_kv_heads, spec.head_size, spec.dtype, spec.block_size,
+                          num_layers, max_model_len)
+        token_bytes = stamp.build(shapes).token_bytes(layer)
+        return cls(block_size=spec.block_size, num_kv_heads=spec.num_kv_heads,
+                   head_size=spec.head_size, head_size_v=spec.head_size_v, dtype=spec.dtype,
+                   kv_quant_mode=spec.kv_quant_mode, num_head_slots=1,
+                   state_content_bytes=token_bytes, method=stamp.method,
+                   stamp=_freeze(stamp.to_json()), max_model_len=max_model_len,
+                   num_layers=num_layers)
+
+    @property
+    def shapes(self) -> KVShapes:
+        return KVShapes(self.num_kv_heads, self.head_size, self.dtype, self.block_size,
+                        self.num_layers, self.max_model_len)
+
+    @property
+    def the_stamp(self) -> Stamp:
+        return Stamp.from_json(_thaw(self.stamp))
 
     @property
     def layout(self) -> PageLayout:
-        return PageLayout(self.shadowkv, self.num_kv_heads, self.head_size, self.dtype,
-                          self.block_size)
+        return PageLayout(self.the_stamp.build(self.shapes))
 
     def max_memory_usage_bytes(self, vllm_config) -> int:
         # A request's steady footprint: what decides how many fit (vLLM's max concurrency).
@@ -47,41 +70,43 @@ class ShadowKVSpec(FullAttentionSpec):
         return layout.peak_blocks(max_len) + layout.exact_blocks(max_len)
 
     @classmethod
-    def merge(cls, specs: list[ShadowKVSpec]) -> ShadowKVSpec:
-        assert all(spec == specs[0] for spec in specs), "shadowkv layers must share one spec"
+    def merge(cls, specs: list[CompressedKVSpec]) -> CompressedKVSpec:
+        assert all(spec == specs[0] for spec in specs), "merged layers must share one spec"
         return specs[0]
 
 
-class ShadowKVManager(FullAttentionManager):
+def _freeze(raw: dict) -> tuple:
+    return tuple(sorted((k, _freeze(v) if isinstance(v, dict) else v) for k, v in raw.items()))
+
+
+def _thaw(items: tuple) -> dict:
+    return {k: _thaw(v) if isinstance(v, tuple) else v for k, v in items}
+
+
+class CompressedKVManager(FullAttentionManager):
     supports_fine_grained_hash_lookup = False
 
-    def __init__(self, kv_cache_spec: ShadowKVSpec, **kwargs) -> None:
+    def __init__(self, kv_cache_spec, **kwargs) -> None:
         super().__init__(kv_cache_spec, **kwargs)
-        self.layout = kv_cache_spec.layout
-        config = kv_cache_spec.shadowkv
-        self.max_staging = config.max_staging_requests
-        self.store_capacity = int(config.value_store_gib * GiB)
+        spec = (kv_cache_spec.first_spec if isinstance(kv_cache_spec, UniformTypeKVCacheSpecs)
+                else kv_cache_spec)
+        self.layout = spec.layout
+        stamp = spec.the_stamp
+        self.max_staging = stamp.settings.max_staging_requests
+        self.store_capacity = stamp.store_bytes
         self.store_used = 0
         self.prompt_len: dict[str, int] = {}
         self.store_reserved: dict[str, int] = {}
         self.staging: set[str] = set()
-        self._num_layers = kv_cache_spec.num_layers
-        self._check_pool_fits_one_request(kv_cache_spec.max_model_len)
+        self._check_pool_fits_one_request(spec.max_model_len)
 
     def _check_pool_fits_one_request(self, max_len: int) -> None:
         pool, peak = self.block_pool.num_gpu_blocks - 1, self.layout.peak_blocks(max_len)
         if peak > pool:
-            raise ShadowKVConfigError(
+            raise SettingsError(
                 f"the KV cache has {pool} blocks, but a {max_len}-token prompt needs {peak} while "
                 "it is prefilled (exact staging before compression); give the KV cache more "
                 "memory or lower --max-model-len"
-            )
-        need = self.layout.value_store_bytes(max_len, self._num_layers)
-        if self.layout.is_sparse(max_len) and need > self.store_capacity:
-            raise ShadowKVConfigError(
-                f"shadowkv.value_store_gib ({self.store_capacity / GiB:g}) cannot hold the values "
-                f"of one {max_len}-token prompt ({need / GiB:.2f} GiB on this worker); raise "
-                "value_store_gib or lower --max-model-len"
             )
 
     # -- vLLM's allocation protocol ------------------------------------------------------------
@@ -91,7 +116,7 @@ class ShadowKVManager(FullAttentionManager):
             self.prompt_len[request_id] = num_prompt_tokens
         prompt_len = self.prompt_len.get(request_id)
         if request_id in self.staging and processed_computed_tokens >= prompt_len:
-            # The workers compressed the prompt in the step that completed it.
+            # The workers finalized the prompt in the step that completed it.
             self._remove_blocks_in_range(request_id, 0, self.layout.exact_blocks(prompt_len))
             self.staging.discard(request_id)
 
@@ -99,7 +124,7 @@ class ShadowKVManager(FullAttentionManager):
                                    total_computed_tokens, num_local_computed_tokens,
                                    num_tokens_main_model, apply_admission_cap=False,
                                    prefill_end=0) -> int:
-        assert not new_computed_blocks, "shadowkv runs without prefix caching"
+        assert not new_computed_blocks, "compressed pages run without prefix caching"
         prompt_len = self.prompt_len.get(request_id, prefill_end)
         held = self.req_to_blocks.get(request_id, ())
         if not held and not self._can_admit(prompt_len):
@@ -127,17 +152,14 @@ class ShadowKVManager(FullAttentionManager):
         self.prompt_len.pop(request_id, None)
 
     # -- admission ----------------------------------------------------------------------------
-    def _store_bytes(self, prompt_len: int) -> int:
-        return self.layout.value_store_bytes(prompt_len, self._num_layers)
-
     def _can_admit(self, prompt_len: int) -> bool:
         if not self.layout.is_sparse(prompt_len):
             return True
         return (len(self.staging) < self.max_staging
-                and self.store_used + self._store_bytes(prompt_len) <= self.store_capacity)
+                and self.store_used + self.layout.store_bytes(prompt_len) <= self.store_capacity)
 
     def _reserve_store(self, request_id: str, prompt_len: int) -> None:
-        nbytes = self._store_bytes(prompt_len)
+        nbytes = self.layout.store_bytes(prompt_len)
         self.store_reserved[request_id] = nbytes
         self.store_used += nbytes
         self.staging.add(request_id)

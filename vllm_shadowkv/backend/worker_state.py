@@ -1,4 +1,4 @@
-"""Per-worker state of the shadowkv backend: which requests are in the batch, the value store.
+"""Per-worker state of the engine: which requests are in the batch, the host store, the stats.
 
 vLLM's attention metadata has no request ids or prompt lengths, and a backend is not told when a
 request finishes, is aborted or is preempted. ``patches/runner_requests.py`` hands this module
@@ -15,10 +15,9 @@ from collections import Counter, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from vllm_shadowkv.config import ShadowKVConfig
+from vllm_shadowkv.config import Stamp, human_bytes, stamp_of
 from vllm_shadowkv.store import CpuValueStore
 
-GiB = 1 << 30
 STATS_DIR_ENV = "SHADOWKV_STATS_DIR"  # set by the plugin in the front end; workers inherit it
 LOG_EVERY_S = 10.0
 
@@ -28,30 +27,31 @@ class EngineFacts:
     """What the page format needs from the engine config, captured while the model is built
     (vLLM asks backends for their KV spec later, outside its config context)."""
 
-    config: ShadowKVConfig
+    stamp: Stamp
     max_model_len: int
     num_layers: int  # attention layers on this worker
 
     @classmethod
     def from_vllm_config(cls, vllm_config) -> "EngineFacts":
+        stamp = stamp_of(vllm_config)
+        if stamp is None:
+            raise RuntimeError("vllm-shadowkv: the engine backend was built without the front "
+                               "end's start-up check (no method stamp in additional_config)")
         model_config = vllm_config.model_config
-        return cls(
-            config=ShadowKVConfig.from_additional_config(vllm_config.additional_config),
-            max_model_len=model_config.max_model_len,
-            num_layers=model_config.get_num_layers(vllm_config.parallel_config),
-        )
+        return cls(stamp=stamp, max_model_len=model_config.max_model_len,
+                   num_layers=model_config.get_num_layers(vllm_config.parallel_config))
 
 
 @dataclass
 class RequestStats:
     """What one request did on this worker: its mode and, when sparse, its selection traffic."""
 
-    mode: str = "dense"  # "dense" (exact attention) or "sparse" (compressed, ShadowKV decode)
+    mode: str = "dense"  # "dense" (exact attention) or "sparse" (compressed by the method)
     prompt_len: int = 0
-    decode_steps: int = 0  # sparse decode calls, over layers
-    selected: int = 0  # selected chunk slots, over KV heads and layers
+    decode_steps: int = 0  # compressed decode calls, over layers
+    selected: int = 0  # selected store rows (ShadowKV: chunks), over KV heads and layers
     hits: int = 0  # of which resident from the previous step
-    bytes_fetched: int = 0  # values moved from the store
+    bytes_fetched: int = 0  # moved from the host store
     # measure_fidelity only: layer -> [sum of relative errors, sum of chunk recalls, steps]
     fidelity: dict[int, list[float]] = field(default_factory=dict)
 
@@ -74,7 +74,7 @@ class RequestStats:
 class WorkerState:
     engine: EngineFacts | None = None
     runner_ref: weakref.ref | None = None
-    _store: CpuValueStore | None = None
+    _stores: dict = field(default_factory=dict)  # row shape -> CpuValueStore
     # request id -> layers whose prompt is compressed (values in the store)
     compressed: dict[str, set[int]] = field(default_factory=dict)
     requests: dict[str, RequestStats] = field(default_factory=dict)
@@ -85,14 +85,22 @@ class WorkerState:
     _last_log: float = 0.0
     _written: dict = field(default_factory=dict)
 
-    def value_store(self, layout) -> CpuValueStore:
-        """This worker's value store, created on first use with ``value_store_gib`` capacity
-        (its pages are allocated lazily up to that bound, pinned on CUDA)."""
-        if self._store is None:
-            self._store = CpuValueStore(
-                capacity_bytes=int(layout.config.value_store_gib * GiB), dtype=layout.dtype,
-                chunk_size=layout.config.chunk_size, head_dim=layout.head_size)
-        return self._store
+    def store(self, method, layer: int = 0) -> CpuValueStore:
+        """This worker's host store for the method's rows in ``layer``, created on first use
+        with the front end's capacity (its pages are allocated lazily up to that bound, pinned
+        on CUDA). Rows of another shape get their own pool; admission bounds the total."""
+        shape = method.store_row_shape(layer)
+        if shape not in self._stores:
+            self._stores[shape] = CpuValueStore(
+                capacity_bytes=self.engine.stamp.store_bytes, dtype=method.shapes.dtype,
+                row_shape=shape)
+        return self._stores[shape]
+
+    @property
+    def _store_totals(self) -> tuple[int, int]:
+        """(used, capacity) bytes of the host store."""
+        used = sum(s.used_bytes for s in self._stores.values())
+        return used, self.engine.stamp.store_bytes if self.engine else 0
 
     @property
     def runner(self):
@@ -107,6 +115,7 @@ class WorkerState:
         return list(batch.req_ids[:num_reqs]), batch.num_prompt_tokens[:num_reqs].tolist()
 
     def request(self, req_id: str, prompt_len: int, sparse: bool) -> RequestStats:
+        """The request's stats, created the first time a layer sees it."""
         stats = self.requests.get(req_id)
         if stats is None:
             mode = "sparse" if sparse else "dense"
@@ -114,10 +123,11 @@ class WorkerState:
         return stats
 
     def release(self, req_ids: Iterable[str]) -> None:
-        """Finished, aborted or preempted: the request's values leave the store."""
+        """Finished, aborted or preempted: the request's rows leave the host store."""
         for req_id in req_ids:
             for layer in self.compressed.pop(req_id, ()):
-                self._store.free((req_id, layer))
+                for store in self._stores.values():
+                    store.free((req_id, layer))
                 self.reference_kv.pop((req_id, layer), None)
             stats = self.requests.pop(req_id, None)
             if stats is not None:
@@ -129,12 +139,13 @@ class WorkerState:
     def snapshot(self) -> dict:
         """Counters and gauges for metrics: cumulative over all requests, live ones included."""
         live = Counter(s.mode for s in self.requests.values())
+        used, capacity = self._store_totals
         snap = {
+            "method": self.engine.stamp.method,
             "running_sparse": live["sparse"], "running_dense": live["dense"],
             "finished_sparse": self.totals["finished_sparse"],
             "finished_dense": self.totals["finished_dense"],
-            "store_used_bytes": self._store.used_bytes if self._store else 0,
-            "store_capacity_bytes": self._store.capacity_bytes if self._store else 0,
+            "store_used_bytes": used, "store_capacity_bytes": capacity,
         }
         for key in ("selected", "hits", "bytes_fetched"):
             snap[key] = self.totals[key] + sum(getattr(s, key) for s in self.requests.values())
@@ -143,7 +154,9 @@ class WorkerState:
     def report(self, logger) -> None:
         """Called once per engine step: when the counters changed, a snapshot file for the
         server's Prometheus collector (``metrics.py``), and a log line at most every
-        LOG_EVERY_S."""
+        LOG_EVERY_S. Silent when none of the plugin's methods runs on this worker."""
+        if self.engine is None:
+            return
         snap = self.snapshot()
         if snap == self._written:
             return
@@ -159,11 +172,11 @@ class WorkerState:
             self._last_log = now
             hit_rate = snap["hits"] / snap["selected"] if snap["selected"] else 0.0
             logger.info(
-                "shadowkv: running %d sparse / %d dense, finished %d sparse / %d dense; "
-                "hit rate %.1f%%; values fetched %.1f MiB; value store %.3f of %.2f GiB",
+                "%s: running %d compressed / %d exact, finished %d compressed / %d exact; "
+                "hit rate %.1f%%; fetched %.1f MiB; host store %s of %s", snap["method"],
                 snap["running_sparse"], snap["running_dense"], snap["finished_sparse"],
                 snap["finished_dense"], 100 * hit_rate, snap["bytes_fetched"] / (1 << 20),
-                snap["store_used_bytes"] / GiB, snap["store_capacity_bytes"] / GiB)
+                human_bytes(snap["store_used_bytes"]), human_bytes(snap["store_capacity_bytes"]))
 
 
 STATE = WorkerState()

@@ -9,12 +9,12 @@ A prompt below the compression point (`ShadowKVParams.compressed_chunks` == 0) k
 tokens in the exact region and has no landmarks, so decode is dense attention for it.
 """
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable
 from dataclasses import dataclass
 
 import torch
 
-from .landmarks import chunk_landmarks, outlier_chunks
+from .landmarks import chunk_landmarks, outlier_chunks, selectable_landmarks
 from .lowrank import factorize_keys
 from .params import ShadowKVParams
 from .rope import RopeCache, invert_rope
@@ -78,12 +78,7 @@ def compress_prompt(
     landmarks = chunk_landmarks(keys[:split], c)  # [n_c, h, d]
     outliers = outlier_chunks(keys[:split], landmarks, params.outlier_chunks)  # [h, o]
 
-    selectable = torch.ones(num_heads, n_chunks, dtype=torch.bool, device=device)
-    selectable.scatter_(1, outliers, False)
-    chunk_ids = torch.arange(n_chunks, device=device).expand(num_heads, n_chunks)
-    sel_ids = chunk_ids[selectable].view(num_heads, -1)  # [h, n_sel], ascending
-    sel_landmarks = landmarks.transpose(0, 1).gather(
-        1, sel_ids.unsqueeze(-1).expand(-1, -1, head_dim))
+    sel_landmarks, sel_ids = selectable_landmarks(landmarks.to(dtype), outliers)
 
     def exact(x: torch.Tensor) -> torch.Tensor:
         per_head_chunks = x[:split].view(n_chunks, c, num_heads, head_dim).permute(2, 0, 1, 3)
@@ -97,29 +92,10 @@ def compress_prompt(
         a=a.to(dtype),
         a_positions=positions[:split].to(torch.int32),
         b=b.to(dtype),
-        landmarks=sel_landmarks.transpose(0, 1).to(dtype).contiguous(),
-        landmark_chunks=sel_ids.T.to(torch.int32).contiguous(),
+        landmarks=sel_landmarks,
+        landmark_chunks=sel_ids,
         outliers=outliers.to(torch.int32),
         exact_k=exact(keys),
         exact_v=exact(values),
     )
 
-
-def compress_prompts(
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    positions: torch.Tensor,
-    cu_seqlens: Sequence[int],
-    rope: RopeCache,
-    params: ShadowKVParams,
-    store: ValueStore,
-    store_keys: Sequence[Hashable],
-) -> list[CompressedPrompt]:
-    """Ragged batch, packed like varlen attention: request i owns rows
-    [cu_seqlens[i], cu_seqlens[i+1]) of keys/values/positions. Each request has its own
-    factorisation, so this is a loop of `compress_prompt`."""
-    assert len(cu_seqlens) == len(store_keys) + 1
-    return [
-        compress_prompt(keys[s:e], values[s:e], positions[s:e], rope, params, store, key)
-        for s, e, key in zip(cu_seqlens[:-1], cu_seqlens[1:], store_keys)
-    ]

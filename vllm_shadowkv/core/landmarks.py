@@ -21,3 +21,17 @@ def outlier_chunks(keys: torch.Tensor, landmarks: torch.Tensor, count: int) -> t
     min_cos = cos.amin(dim=1)  # [n_chunks, h_kv]
     ids = torch.topk(min_cos.T, count, dim=-1, largest=False).indices
     return ids.sort(dim=-1).values
+
+
+def selectable_landmarks(landmarks: torch.Tensor, outliers: torch.Tensor
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per KV head, the landmarks of the chunks that are not outliers (those are attended
+    exactly): landmarks [n_chunks, h_kv, d], outliers [h_kv, o] -> (landmarks [n_sel, h_kv, d]
+    in the landmarks' dtype, chunk ids [n_sel, h_kv] int32), ascending chunk id."""
+    n_chunks, num_heads, head_dim = landmarks.shape
+    selectable = torch.ones(num_heads, n_chunks, dtype=torch.bool, device=landmarks.device)
+    selectable.scatter_(1, outliers.long(), False)
+    chunk_ids = torch.arange(n_chunks, device=landmarks.device).expand(num_heads, n_chunks)
+    sel_ids = chunk_ids[selectable].view(num_heads, -1)  # [h, n_sel]
+    picked = landmarks.transpose(0, 1).gather(1, sel_ids.unsqueeze(-1).expand(-1, -1, head_dim))
+    return picked.transpose(0, 1).contiguous(), sel_ids.T.to(torch.int32).contiguous()

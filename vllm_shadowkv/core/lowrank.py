@@ -28,7 +28,3 @@ def factorize_keys(keys_pre: torch.Tensor, rank: int) -> tuple[torch.Tensor, tor
     b = psi.T.reshape(r, num_heads, head_dim).transpose(0, 1).contiguous()
     return a, b
 
-
-def rebuild_pre_rope(a_rows: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """A rows [T, r] x B [h_kv, r, d] -> pre-RoPE keys [T, h_kv, d], fp32."""
-    return torch.einsum("tr,hrd->thd", a_rows.float(), b.float())

@@ -23,33 +23,11 @@ class ShadowKVParams:
     local_chunks: int = 4
     # Prompts shorter than this stay exact (the authors' code: dense up to 4096 tokens).
     min_compress_tokens: int = 4096
-    # ShadowKV+ (§7.1): fold full chunks of generated tokens into the low-rank pool. Off as in
-    # the base method; not implemented yet, so `validate` refuses it.
-    seal_generated: bool = False
     selection: str = "landmarks"
 
     @property
     def select_chunks(self) -> int:
         return self.sparse_budget // self.chunk_size
-
-    def validate(self) -> None:
-        """Raise ValueError naming the first bad setting."""
-        checks = [
-            ("rank", self.rank >= 1, "must be >= 1"),
-            ("chunk_size", self.chunk_size >= 1, "must be >= 1"),
-            ("sparse_budget", self.sparse_budget >= self.chunk_size,
-             f"must be >= chunk_size ({self.chunk_size}) to select at least one chunk"),
-            ("sparse_budget", self.sparse_budget % self.chunk_size == 0,
-             f"must be a multiple of chunk_size ({self.chunk_size})"),
-            ("outlier_chunks", self.outlier_chunks >= 0, "must be >= 0"),
-            ("local_chunks", self.local_chunks >= 0, "must be >= 0"),
-            ("min_compress_tokens", self.min_compress_tokens >= 0, "must be >= 0"),
-            ("seal_generated", not self.seal_generated, "ShadowKV+ sealing is not implemented"),
-            ("selection", self.selection in SELECTIONS, f"must be one of {', '.join(SELECTIONS)}"),
-        ]
-        for name, ok, rule in checks:
-            if not ok:
-                raise ValueError(f"shadowkv.{name}={getattr(self, name)!r}: {rule}")
 
     def compressed_chunks(self, num_tokens: int) -> int:
         """Chunks of a prompt that go into the low-rank pool; 0 means the prompt stays exact.

@@ -30,7 +30,7 @@ SINK_RECENT = "sink_recent"  # shorthand for shadowkv with {"selection": "sink_r
 # The paper's outlier share: 48 chunks of 8 tokens at 128K tokens (0.29 % of the context).
 PAPER_OUTLIER_CHUNKS, PAPER_CHUNK_SIZE, PAPER_CONTEXT = 48, 8, 128 * 1024
 OUTLIER_RATIO = PAPER_OUTLIER_CHUNKS * PAPER_CHUNK_SIZE / PAPER_CONTEXT
-DEFAULT_CHUNK_SIZE = 8  # ShadowKVConfig.chunk_size
+DEFAULT_CHUNK_SIZE = 8  # ShadowKVSettings.chunk_size
 
 
 @dataclass(frozen=True)

@@ -60,7 +60,7 @@ def prompt_ids(tokenizer, sample: tasks.Sample, chat: bool) -> list[int]:
 
 def generate_offline(args, spec, prompts, max_tokens) -> list[dict]:
     """Greedy outputs of one fresh engine: text, token ids and, for shadowkv, the request's
-    shadowkv_stats row (mode, hit rate, ...) from the worker extension."""
+    kv_compression_stats row (mode, hit rate, ...) from the worker extension."""
     from tqdm import tqdm
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -80,7 +80,7 @@ def generate_offline(args, spec, prompts, max_tokens) -> list[dict]:
                             use_tqdm=partial(tqdm, desc=spec.label))
         stats = {}
         if spec.is_shadowkv:
-            raw = llm.collective_rpc("shadowkv_stats")[0]
+            raw = llm.collective_rpc("kv_compression_stats")[0]
             # The engine core's request id is the front end's plus "-<8 hex>".
             for req_id, row in [*raw["finished"].items(), *raw["requests"].items()]:
                 stats[req_id.rsplit("-", 1)[0] if "-" in req_id else req_id] = row
@@ -132,9 +132,10 @@ def engines(specs, samples) -> list[tuple[backend_specs.BackendSpec, backend_spe
 
 def expected_sparse(spec, prompt_len: int) -> bool:
     """Whether shadowkv decodes this prompt sparsely (vllm_shadowkv.core.params)."""
-    from vllm_shadowkv.config import ShadowKVConfig
+    from vllm_shadowkv.config import parse_settings
+    from vllm_shadowkv.methods.shadowkv import ShadowKVSettings
 
-    c = ShadowKVConfig.from_dict(spec.settings)
+    c = parse_settings(ShadowKVSettings, spec.settings)
     chunks = prompt_len // c.chunk_size - -(-c.local_window // c.chunk_size)
     return prompt_len >= c.min_sparse_len and chunks > c.outlier_chunks
 

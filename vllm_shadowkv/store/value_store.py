@@ -1,9 +1,9 @@
-"""Bounded CPU pool for the values of compressed chunks (DESIGN.md §2 item 4).
+"""Bounded CPU pool for what a method moves off the GPU (the host store).
 
-A row is one chunk of one KV head, [chunk_size, head_dim], the unit a decode step fetches. Rows
-live in fixed-size pages of `page_rows` rows. A key (one request, one layer) owns a list of
-pages; row (h, ch) of a put of [h_kv, n_chunks, c, d] is logical row h * n_chunks + ch of that
-list. Freed pages go back to a free list that later puts take from, so the pool cannot fragment:
+A row is the unit a decode step fetches, shaped by the method (`row_shape`): for ShadowKV one
+chunk of one KV head's values, [chunk_size, head_dim]. Rows live in fixed-size pages of
+`page_rows` rows. A key (one request, one layer) owns a list of pages; row (h, n) of a put of
+[h_kv, n_rows, *row_shape] is logical row h * n_rows + n of that list. Freed pages go back to a free list that later puts take from, so the pool cannot fragment:
 a put fits whenever enough pages are free, wherever they are.
 
 Pages are slices of a few large extents, allocated only when the free list runs short (the
@@ -12,6 +12,7 @@ up to 1 GiB, so there are few of them: a gather is one index_select per extent t
 not one per page.
 """
 
+import math
 from collections.abc import Hashable, Iterator
 from dataclasses import dataclass
 
@@ -39,7 +40,7 @@ class ValueStoreFull(RuntimeError):
 @dataclass
 class _Entry:
     num_heads: int
-    num_chunks: int
+    num_rows: int
     pages: list[int]  # global page ids, in logical order
     page_extent: torch.Tensor  # [n_pages] int64, extent holding each page
     page_base: torch.Tensor  # [n_pages] int64, first row of each page within its extent
@@ -50,20 +51,20 @@ class CpuValueStore:
     """Implements `vllm_shadowkv.core.store.ValueStore` within `capacity_bytes`. Pinned memory by
     default where CUDA is available, so the pool is DMA-able. Not thread-safe."""
 
-    def __init__(self, capacity_bytes: int, dtype: torch.dtype, chunk_size: int, head_dim: int,
+    def __init__(self, capacity_bytes: int, dtype: torch.dtype, row_shape: tuple[int, ...],
                  page_rows: int = PAGE_ROWS, pin_memory: bool | None = None):
-        if capacity_bytes < 0 or min(chunk_size, head_dim, page_rows) < 1:
-            raise ValueError(f"CpuValueStore: capacity_bytes={capacity_bytes} must be >= 0 and "
-                             f"chunk_size={chunk_size}, head_dim={head_dim}, "
-                             f"page_rows={page_rows} >= 1")
-        self.dtype, self.chunk_size, self.head_dim = dtype, chunk_size, head_dim
+        row_shape = tuple(row_shape)
+        if capacity_bytes < 0 or min((*row_shape, page_rows)) < 1:
+            raise ValueError(f"CpuValueStore: capacity_bytes={capacity_bytes} must be >= 0, "
+                             f"row_shape={row_shape} and page_rows={page_rows} >= 1")
+        self.dtype, self.row_shape = dtype, row_shape
         self.page_rows = page_rows
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
-        self.row_bytes = chunk_size * head_dim * dtype.itemsize
+        self.row_bytes = math.prod(row_shape) * dtype.itemsize
         self.page_bytes = page_rows * self.row_bytes
         self._max_pages = capacity_bytes // self.page_bytes  # whole pages, never above capacity
         self._max_extent_pages = _pow2_floor(max(1, _MAX_EXTENT_BYTES // self.page_bytes))
-        self._extents: list[torch.Tensor] = []  # [rows, c, d] each
+        self._extents: list[torch.Tensor] = []  # [rows, *row_shape] each
         self._page_extent: list[int] = []  # by global page id
         self._page_base: list[int] = []
         self._free: list[int] = []
@@ -88,9 +89,9 @@ class CpuValueStore:
     def num_keys(self) -> int:
         return len(self._entries)
 
-    def bytes_needed(self, num_heads: int, num_chunks: int) -> int:
-        """What a put of [num_heads, num_chunks, c, d] takes: whole pages."""
-        return paged_bytes(num_heads * num_chunks, self.row_bytes, self.page_rows)
+    def bytes_needed(self, num_heads: int, num_rows: int) -> int:
+        """What a put of [num_heads, num_rows, *row_shape] takes: whole pages."""
+        return paged_bytes(num_heads * num_rows, self.row_bytes, self.page_rows)
 
     def can_fit(self, nbytes: int) -> bool:
         return nbytes <= self.capacity_bytes - self.used_bytes
@@ -98,54 +99,53 @@ class CpuValueStore:
     def put(self, key: Hashable, values: torch.Tensor) -> None:
         if key in self._entries:
             raise ValueError(f"value store: key {key!r} is already stored; free it first")
-        if (values.dim() != 4 or tuple(values.shape[2:]) != (self.chunk_size, self.head_dim)
-                or values.dtype != self.dtype):
+        if tuple(values.shape[2:]) != self.row_shape or values.dtype != self.dtype:
             raise ValueError(f"value store: values for {key!r} are {tuple(values.shape)} "
-                             f"{values.dtype}, expected [h_kv, n_chunks, {self.chunk_size}, "
-                             f"{self.head_dim}] {self.dtype}")
-        num_heads, num_chunks = values.shape[:2]
-        needed = self.bytes_needed(num_heads, num_chunks)
+                             f"{values.dtype}, expected [h_kv, n_rows, "
+                             f"{', '.join(map(str, self.row_shape))}] {self.dtype}")
+        num_heads, num_rows = values.shape[:2]
+        needed = self.bytes_needed(num_heads, num_rows)
         if not self.can_fit(needed):
             free = self.capacity_bytes - self.used_bytes
             raise ValueStoreFull(
-                f"ShadowKV value store full: request {key!r} needs {needed} bytes "
-                f"({num_heads} KV heads x {num_chunks} chunks), {free} bytes free of a "
-                f"{self.capacity_bytes}-byte capacity ({self.capacity_bytes / 2**30:.2f} GiB); "
-                f"raise shadowkv.value_store_gib")
+                f"host store full: request {key!r} needs {needed} bytes "
+                f"({num_heads} KV heads x {num_rows} rows), {free} bytes free of a "
+                f"{self.capacity_bytes}-byte capacity; "
+                f"raise value_store_gib or --kv-offloading-size")
         num_pages = needed // self.page_bytes
         self._grow(num_pages)
         split = len(self._free) - num_pages
         pages = self._free[split:]
         del self._free[split:]
-        entry = _Entry(num_heads, num_chunks, pages,
+        entry = _Entry(num_heads, num_rows, pages,
                        torch.tensor([self._page_extent[p] for p in pages], dtype=torch.long),
                        torch.tensor([self._page_base[p] for p in pages], dtype=torch.long),
                        sorted({self._page_extent[p] for p in pages}))
-        rows = values.reshape(-1, self.chunk_size, self.head_dim).cpu()
+        rows = values.reshape(-1, *self.row_shape).cpu()
         for extent, at, local in self._by_extent(entry, torch.arange(len(rows))):
             extent.index_copy_(0, local, rows if at is None else rows[at])
         self._entries[key] = entry
         self.bytes_put += values.numel() * values.element_size()
 
     def gather(self, key: Hashable, heads: torch.Tensor, chunks: torch.Tensor) -> torch.Tensor:
-        """Rows (heads[i], chunks[i]) of `key` -> [M, c, d] on the CPU."""
-        out = torch.empty((len(heads), self.chunk_size, self.head_dim), dtype=self.dtype)
+        """Rows (heads[i], chunks[i]) of `key` -> [M, *row_shape] on the CPU."""
+        out = torch.empty((len(heads), *self.row_shape), dtype=self.dtype)
         return self.gather_into(key, heads, chunks, out)
 
     def gather_into(self, key: Hashable, heads: torch.Tensor, chunks: torch.Tensor,
                     out: torch.Tensor) -> torch.Tensor:
-        """`gather` into the CPU tensor `out` [M, c, d] (a slice of the decode step's pinned
+        """`gather` into the CPU tensor `out` [M, *row_shape] (a slice of the decode step's pinned
         staging buffer on CUDA, which the core then copies on its copy stream)."""
         entry = self._entries.get(key)
         if entry is None:
             raise KeyError(f"value store has no values for key {key!r} (never put, or freed)")
         heads, chunks = heads.cpu().long(), chunks.cpu().long()
         if len(heads) and not (0 <= heads.min() and heads.max() < entry.num_heads
-                               and 0 <= chunks.min() and chunks.max() < entry.num_chunks):
+                               and 0 <= chunks.min() and chunks.max() < entry.num_rows):
             raise IndexError(f"value store: key {key!r} holds {entry.num_heads} heads x "
-                             f"{entry.num_chunks} chunks; asked for heads {heads.tolist()}, "
+                             f"{entry.num_rows} rows; asked for heads {heads.tolist()}, "
                              f"chunks {chunks.tolist()}")
-        for extent, at, local in self._by_extent(entry, heads * entry.num_chunks + chunks):
+        for extent, at, local in self._by_extent(entry, heads * entry.num_rows + chunks):
             if at is None:
                 torch.index_select(extent, 0, local, out=out)
             else:
@@ -175,8 +175,8 @@ class CpuValueStore:
             size = min(1 << (want - 1).bit_length(), self._max_extent_pages,
                        _pow2_floor(self._max_pages - allocated))
             extent_id = len(self._extents)
-            self._extents.append(torch.empty((size * self.page_rows, self.chunk_size,
-                                              self.head_dim), dtype=self.dtype,
+            self._extents.append(torch.empty((size * self.page_rows, *self.row_shape),
+                                             dtype=self.dtype,
                                              pin_memory=self.pin_memory))
             self._page_extent += [extent_id] * size
             self._page_base += range(0, size * self.page_rows, self.page_rows)

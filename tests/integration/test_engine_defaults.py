@@ -1,0 +1,42 @@
+"""Every method starts with its default settings on models of different key widths and runs
+compressed; under vLLM's default backend the plugin says nothing."""
+
+import pytest
+from engine_utils import generate_in_fresh_process
+
+from vllm_shadowkv.methods import METHODS
+from vllm_shadowkv.models import build_model
+
+pytestmark = pytest.mark.slow
+
+# A 4.2K-token prompt: above the default min_sparse_len (4096); byte tokenizer, one token a byte.
+LONG = "The quick brown fox jumps over the lazy dog. " * 94
+
+
+@pytest.mark.parametrize("method", list(METHODS))
+@pytest.mark.parametrize("model, key_width", [("tiny-narrow", 128), ("tiny", 256),
+                                              ("llama8b-shape", 1024)])
+def test_defaults_start_and_run_compressed(method, model, key_width, tmp_path):
+    result = generate_in_fresh_process({
+        "model": str(build_model(model)), "attention_backend": method, "batches": [[LONG]],
+        "max_tokens": 4, "engine_kwargs": {"max_model_len": 8192},
+    }, tmp_path)
+    assert set(result["backends"].values()) == {method.upper()}
+    stats = result["stats"][0]
+    modes = [r["mode"] for r in (stats["finished"] | stats["requests"]).values()]
+    assert modes == ["sparse"]
+    assert stats["method"] == method
+
+
+def test_plugin_is_silent_under_the_default_backend(tiny_model, tmp_path):
+    result = generate_in_fresh_process({
+        "model": tiny_model, "attention_backend": None, "batches": [["Hello"]], "max_tokens": 2},
+        tmp_path)
+    assert set(result["backends"].values()) == {"CPU_ATTN"}
+    # vLLM's log names the file of each line; none of the plugin's may speak, nor vLLM's
+    # registry about the plugin's names. (The model's path contains "vllm_shadowkv".)
+    ours = ("[plugin.py", "[engine_check.py", "[worker_state.py", "[runner_requests.py",
+            "[kv_spec.py", "Registered new attention backend", "host store")
+    for line in result["log"].splitlines():
+        assert not any(mark in line for mark in ours), f"the plugin logged: {line}"
+    assert "Resolved architecture" in result["log"]  # the log was captured

@@ -1,0 +1,174 @@
+"""Start-up: which method runs, with which settings, on a model and options it can serve.
+
+Run in the front-end process when the engine config is built, so a bad setting or a model the
+engine cannot serve fails before any weight is loaded, with a message naming the setting, the
+layer or the option and what to change. Never a silent fallback to another backend.
+"""
+
+from __future__ import annotations
+
+from vllm.logger import init_logger
+
+from vllm_shadowkv.backend.layout import PageLayout
+from vllm_shadowkv.config import (STAMP_KEY, Stamp, human_bytes, parse_settings, settings_block,
+                                  stamp_of, store_bytes)
+from vllm_shadowkv.methods import method_class
+from vllm_shadowkv.methods.base import KVShapes, SettingsError
+
+logger = init_logger(f"vllm.{__name__}")  # under vLLM's handlers and level
+
+SUPPORTED_KV_CACHE_DTYPES = ("auto", "bfloat16", "float16")
+_ROPE_KEYS = ("rope_parameters", "rope_theta", "rope_scaling", "rotary_emb_base", "rotary_pct")
+
+
+def select_method(vllm_config) -> str | None:
+    """The method the user selected, or None. A method's name becomes vLLM's ``CUSTOM`` slot
+    here (the config then pickles into the engine processes); ``CUSTOM`` itself is accepted only
+    with the stamp an earlier check wrote (a config rebuilt from a checked one)."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    from vllm_shadowkv.plugin import is_engine_backend, named_method
+
+    attention = vllm_config.attention_config
+    method = named_method(attention.backend)
+    if method is not None:
+        attention.backend = AttentionBackendEnum.CUSTOM
+        return method
+    if is_engine_backend(attention.backend):
+        stamp = stamp_of(vllm_config)
+        if stamp is None:
+            from vllm_shadowkv.methods import METHODS
+
+            raise SettingsError(
+                "the CUSTOM attention backend is vllm-shadowkv's: select one of its methods by "
+                f"name instead, --attention-backend {' | '.join(METHODS)}")
+        return stamp.method
+    return None
+
+
+def validate_engine(vllm_config, method: str) -> Stamp:
+    """Parse and check everything, resolve the settings against the model, and write the stamp
+    the engine processes read."""
+    cls = method_class(method)
+    settings = parse_settings(cls.settings_cls,
+                              settings_block(vllm_config.additional_config, method))
+    from vllm_shadowkv.metrics import register_collector
+
+    register_collector()  # before the engine processes spawn: they inherit the stats directory
+    cache_config, model_config = vllm_config.cache_config, vllm_config.model_config
+    if cache_config.enable_prefix_caching:
+        # Compressed pages are per request (their own basis, scales, selection): none is shared.
+        logger.warning("%s: prefix caching is not supported with compressed pages; disabling "
+                       "it (pass --no-enable-prefix-caching to silence this)", method)
+        cache_config.enable_prefix_caching = False
+    check_model(model_config, method, needs_rope=cls.needs_rope)
+    check_kv_cache_dtype(cache_config.cache_dtype, method)
+    parallel = vllm_config.parallel_config
+    shapes = KVShapes(
+        num_kv_heads=model_config.get_num_kv_heads(parallel),
+        head_size=model_config.get_head_size(), dtype=model_config.dtype,
+        block_size=cache_config.block_size,
+        num_layers=model_config.get_num_layers(parallel),
+        max_model_len=model_config.max_model_len)
+    settings.check_engine(shapes)
+    settings = settings.resolved(shapes)
+    world = parallel.tensor_parallel_size * parallel.pipeline_parallel_size
+    check_kv_offloading(vllm_config, method)
+    store, source = store_bytes(settings, cache_config, world)
+    stamp = Stamp(method, settings, store)
+    check_store_fits(PageLayout(stamp.build(shapes)), store, source, method)
+    if cache_config.kv_offloading_size is not None and settings.value_store_gib is None:
+        logger.info("%s: --kv-offloading-size %g GiB is the host store (%s per worker); vLLM's "
+                    "own KV offloading is not started", method, cache_config.kv_offloading_size,
+                    human_bytes(store))
+        cache_config.kv_offloading_size = None  # vLLM would start its offloading connector
+    vllm_config.additional_config[STAMP_KEY] = stamp.to_json()
+    return stamp
+
+
+def check_kv_offloading(vllm_config, method: str) -> None:
+    """vLLM's own KV connectors would move the compressed pages behind the method's back."""
+    transfer = vllm_config.kv_transfer_config
+    if transfer is not None and transfer.kv_connector:
+        raise SettingsError(
+            f"the {method} attention backend keeps its own host store and cannot run with a KV "
+            f"connector ({transfer.kv_connector}); remove --kv-transfer-config (to size the "
+            "host store, use --kv-offloading-size or the method's value_store_gib)")
+    cache_config = vllm_config.cache_config
+    if cache_config.kv_offloading_size is not None and cache_config.kv_offloading_backend != "native":
+        raise SettingsError(
+            f"--kv-offloading-backend {cache_config.kv_offloading_backend} cannot share the "
+            f"{method} host store; use the default 'native' (--kv-offloading-size then sizes "
+            "the host store) or another attention backend")
+
+
+def check_store_fits(layout: PageLayout, store: int, source: str, method: str) -> None:
+    """One max-length prompt must fit in the host store, or it would wait forever."""
+    max_len = layout.shapes.max_model_len
+    need = layout.store_bytes(max_len)
+    if need > store:
+        raise SettingsError(
+            f"the {method} host store ({human_bytes(store)} per worker, from {source}) cannot "
+            f"hold one {max_len}-token prompt ({human_bytes(need)} per worker); raise "
+            f"{method}.value_store_gib to at least {need / (1 << 30):.4f} or "
+            "--kv-offloading-size accordingly (it is split over the workers), or lower "
+            "--max-model-len")
+
+
+def check_kv_cache_dtype(cache_dtype: str, method: str) -> None:
+    if cache_dtype not in SUPPORTED_KV_CACHE_DTYPES:
+        raise SettingsError(
+            f"--kv-cache-dtype {cache_dtype} is not supported by the {method} backend; "
+            f"allowed: {', '.join(SUPPORTED_KV_CACHE_DTYPES)}"
+        )
+
+
+def check_model(model_config, method: str, needs_rope: bool) -> None:
+    name = model_config.model
+    text = model_config.hf_text_config
+    if model_config.use_mla:
+        raise SettingsError(
+            f"model {name} uses multi-head latent attention (MLA); the {method} backend serves "
+            "decoder models with standard multi-head / grouped-query attention only"
+        )
+    if model_config.is_encoder_decoder:
+        raise SettingsError(
+            f"model {name} is an encoder-decoder model (cross-attention layers); the {method} "
+            "backend serves decoder-only models"
+        )
+    layer_types = list(getattr(text, "layer_types", None) or [])
+    for kind, label in (("sliding_attention", "sliding-window"), ("chunked_attention", "chunked-local")):
+        layers = [i for i, t in enumerate(layer_types) if t == kind]
+        if layers:
+            raise SettingsError(
+                f"model {name} has {label} attention layers {_ranges(layers)}; the {method} "
+                "backend needs full causal attention in every layer"
+            )
+    if getattr(text, "sliding_window", None) and getattr(text, "use_sliding_window", True):
+        raise SettingsError(
+            f"model {name} uses sliding-window attention (sliding_window={text.sliding_window}) "
+            f"in all layers; the {method} backend needs full causal attention"
+        )
+    if getattr(text, "attention_chunk_size", None):
+        raise SettingsError(
+            f"model {name} uses chunked-local attention (attention_chunk_size="
+            f"{text.attention_chunk_size}); the {method} backend needs full causal attention"
+        )
+    if not needs_rope:
+        return
+    no_rope = [i for i, use in enumerate(getattr(text, "no_rope_layers", None) or []) if not use]
+    if no_rope:
+        raise SettingsError(
+            f"model {name} has layers without rotary embedding (NoPE layers {_ranges(no_rope)}); "
+            f"the {method} backend rebuilds keys with RoPE and needs it in every layer"
+        )
+    if not any(getattr(text, key, None) is not None for key in _ROPE_KEYS):
+        raise SettingsError(
+            f"model {name} has no rotary position embedding (none of {', '.join(_ROPE_KEYS)} in "
+            f"its config); the {method} backend needs RoPE models"
+        )
+
+
+def _ranges(indices: list[int]) -> str:
+    shown = ", ".join(map(str, indices[:8]))
+    return shown + (f", ... ({len(indices)} layers)" if len(indices) > 8 else "")

@@ -1,0 +1,180 @@
+"""What a method provides to the shared engine, and what the engine hands it.
+
+The engine (``vllm_shadowkv/backend``) owns everything the methods share: the request phases
+(exact prefill in staging pages, finalize at prompt end, compressed decode), the exact pages of
+short requests and of generated tokens, page accounting through vLLM's block manager, the CPU
+store, per-request stats and admission. A method decides three things:
+
+* **its pages**: how many bytes one token slot of a page holds in each layer (``token_bytes``:
+  the compressed size of a token, which is what makes vLLM's reported capacity grow), whether a
+  prompt is compressed at all (``is_sparse``), how many pages its region of a compressed request
+  takes (``region_blocks``) and how much of the host store it needs (``store_bytes``);
+* **its hooks**: ``prefill_chunk`` (each prefill step, after exact attention), ``finalize``
+  (the step that completes the prompt: compress staging into the region and the store) and
+  ``decode`` (the steps after: attention from the region, the store and the generated tokens);
+* **its settings**: a frozen dataclass under its own ``--additional-config`` key, with defaults
+  that ``resolve`` may scale to the model.
+
+Per-layer policy (a budget per layer, quantized vs offloaded layers) lives in the method: every
+hook gets the layer index, and ``token_bytes`` may differ per layer (vLLM then sizes each layer's
+pages on its own, with one block table for all). The block counts (``region_blocks``) are the
+same for every layer, since the layers share the block table.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar
+
+import torch
+
+
+class SettingsError(ValueError):
+    """A setting, the model or the engine options cannot be served by the selected method."""
+
+
+@dataclass(frozen=True)
+class KVShapes:
+    """The attention shapes one worker (tensor-parallel rank) serves."""
+
+    num_kv_heads: int
+    head_size: int
+    dtype: torch.dtype
+    block_size: int
+    num_layers: int  # attention layers on this worker
+    max_model_len: int
+
+    @property
+    def key_width(self) -> int:
+        return self.num_kv_heads * self.head_size
+
+    @property
+    def elem_bytes(self) -> int:
+        return self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """Settings every method has (under its own key), read by the shared engine."""
+
+    min_sparse_len: int = 4096
+    """Context length (tokens) from which a request is compressed; shorter ones stay exact."""
+    value_store_gib: float | None = None
+    """CPU store size per worker in GiB. Unset: vLLM's --kv-offloading-size split over the
+    tensor-parallel ranks, or 16 GiB per worker when that is unset too."""
+    max_staging_requests: int = 1
+    """Long prompts held exactly at once while they are prefilled, before compression: bounds
+    the transient full-size KV of compressions in flight. More wait for their turn."""
+    measure_fidelity: bool = False
+    """Diagnostic: keep an exact copy of each compressed prompt's K/V in host memory (outside
+    every budget: not for production) and record, per layer and decode step, the relative error
+    of the compressed attention against dense attention. Generation is unchanged."""
+
+    def check(self) -> None:
+        """Range checks that need no model; raise ``SettingsError`` naming the key."""
+        at_least(self, "min_sparse_len", 1)
+        at_least(self, "max_staging_requests", 1)
+        if self.value_store_gib is not None and not self.value_store_gib > 0:
+            raise SettingsError(f"{self.key}.value_store_gib must be > 0 (GiB), got "
+                                f"{self.value_store_gib}")
+
+    def check_engine(self, shapes: KVShapes) -> None:
+        """Checks that need the engine's shapes (per tensor-parallel rank)."""
+
+    def resolved(self, shapes: KVShapes) -> EngineSettings:
+        """Fill the defaults that depend on the model; explicit settings stay as given."""
+        return self
+
+    @property
+    def key(self) -> str:
+        """The ``--additional-config`` key of these settings (the method's name)."""
+        return type(self).method
+
+    method: ClassVar[str] = ""
+
+    def as_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def at_least(settings: EngineSettings, name: str, low: int) -> None:
+    value = getattr(settings, name)
+    if value < low:
+        raise SettingsError(f"{settings.key}.{name} must be >= {low}, got {value}")
+
+
+@dataclass
+class LayerContext:
+    """What the engine hands a method's hooks for one layer in one step."""
+
+    index: int  # the layer's index in the model
+    kv_cache: torch.Tensor  # the layer's pages, [num_blocks, ...] in the model dtype
+    layout: Any  # backend.layout.PageLayout: exact pages, the method's region
+    rope: Any  # core.rope.RopeCache of this layer (the model's own rotary embedding)
+    store: Any  # the worker's host store (core.store.ValueStore)
+    scale: float
+    stats: Any  # callable: request id -> backend.worker_state.RequestStats
+    reference_kv: dict  # measure_fidelity: (request id, layer) -> exact prompt (keys, values)
+
+
+@dataclass
+class RequestRows:
+    """One request's rows in one layer's step: where its tokens are and what it holds."""
+
+    req_id: str
+    prompt_len: int
+    seq_len: int  # tokens in the context after this step
+    start: int  # this step's query rows [start, end) in the batch
+    end: int
+    block_ids: torch.Tensor  # the request's vLLM block table row
+
+
+class KVMethod(ABC):
+    """One method on the shared engine. One instance per worker, built from resolved settings
+    and the worker's shapes; the scheduler side builds the same to count pages."""
+
+    name: ClassVar[str]
+    settings_cls: ClassVar[type[EngineSettings]]
+    needs_rope: ClassVar[bool] = False  # refuse models without RoPE in every layer
+
+    def __init__(self, settings: EngineSettings, shapes: KVShapes) -> None:
+        self.settings, self.shapes = settings, shapes
+
+    # -- pages (scheduler and workers derive the same from the prompt length) -----------------
+    @abstractmethod
+    def token_bytes(self, layer: int) -> int:
+        """Bytes of one token slot of a page in ``layer``."""
+
+    @abstractmethod
+    def is_sparse(self, prompt_len: int) -> bool:
+        """Whether a prompt of this length is compressed (otherwise it stays exact)."""
+
+    @abstractmethod
+    def region_blocks(self, prompt_len: int) -> int:
+        """Pages the method keeps per compressed request. One count for every layer (they share
+        the block table); a layer that keeps less uses smaller pages (``token_bytes``)."""
+
+    @abstractmethod
+    def store_bytes(self, layer: int, prompt_len: int) -> int:
+        """Host-store bytes of one compressed request in ``layer`` (0: nothing offloaded)."""
+
+    @abstractmethod
+    def store_row_shape(self, layer: int) -> tuple[int, ...]:
+        """Shape of one row of ``layer``'s host store (the unit a decode step fetches)."""
+
+    # -- worker hooks ---------------------------------------------------------------------------
+    def prefill_chunk(self, layer: LayerContext, req: RequestRows, query: torch.Tensor, key: torch.Tensor,
+                      value: torch.Tensor) -> None:
+        """A prefill step of a request that will be compressed, after its exact attention."""
+
+    @abstractmethod
+    def finalize(self, layer: LayerContext, req: RequestRows, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """The step that completed the prompt: ``keys``/``values`` ``[prompt_len, h_kv, d]``
+        (post-RoPE, read from the staging pages) go into the method's region and the store."""
+
+    @abstractmethod
+    def decode(self, layer: LayerContext, reqs: list[RequestRows], query: torch.Tensor, key: torch.Tensor,
+               value: torch.Tensor, out: torch.Tensor) -> None:
+        """Attention for compressed requests in decode: ``query``/``out`` ``[n, Hq, d]`` and
+        ``key``/``value`` ``[n, Hkv, d]`` hold the whole batch; ``reqs`` says which rows are
+        whose. This step's K/V are already in the generated-token pages."""
