@@ -39,7 +39,7 @@ LENGTHS = (32768, 65536, 131072)
 PAPER_SETTINGS = {"rank": 160, "chunk_size": 8, "sparse_budget": 2048, "outlier_chunks": 48,
                   "local_window": 32}
 BACKENDS = ("default", "shadowkv")
-DESIGN_TARGET = 6.0  # DESIGN.md §2.3: at least 6x the default's for long prompts (128K here)
+DESIGN_TARGET = 6.0  # the design contract: at least 6x the default's for long prompts (128K)
 
 
 # -- child: one engine, its capacity figures --------------------------------------------------
@@ -51,7 +51,7 @@ def concurrency_for(vllm_config, kv_cache_config, length: int) -> float:
 
     config = copy.deepcopy(kv_cache_config)
     for group in config.kv_cache_groups:
-        if hasattr(group.kv_cache_spec, "max_model_len"):  # ShadowKVSpec carries it
+        if hasattr(group.kv_cache_spec, "max_model_len"):  # CompressedKVSpec carries it
             group.kv_cache_spec = dataclasses.replace(group.kv_cache_spec, max_model_len=length)
     model_config = vllm_config.model_config
     saved = model_config.max_model_len
@@ -103,15 +103,16 @@ def engine_capacity(model: str, backend: str, max_model_len: int, settings: dict
     }
     if backend == "shadowkv":
         layout = spec.layout
-        store_bytes = layout.value_store_bytes(max_model_len, num_layers)
-        store_capacity = int(spec.shadowkv.value_store_gib * (1 << 30))
+        store_bytes = layout.store_bytes(max_model_len)
+        store_capacity = spec.the_stamp.store_bytes
         result["shadowkv"] = {
-            "settings": dataclasses.asdict(spec.shadowkv),
-            "slot_bytes_per_layer": layout.slot_bytes,  # a compressed token: A row + landmark share
+            "settings": spec.the_stamp.settings.as_dict(),
+            # a compressed token: A row + landmark share
+            "slot_bytes_per_layer": layout.page_bytes // layout.block_size,
             "exact_token_bytes_per_layer": layout.exact_token_bytes,
             "exact_tokens_per_page": layout.exact_per_page,
-            "packed_blocks": layout.packed_blocks(max_model_len),
-            "state_blocks": layout.state_blocks(max_model_len),
+            "packed_blocks": layout.method.pages.packed_blocks(max_model_len),
+            "state_blocks": layout.method.pages.state_blocks(max_model_len),
             "steady_blocks": layout.steady_blocks(max_model_len),
             "staging_blocks": layout.exact_blocks(max_model_len),
             "peak_blocks": layout.peak_blocks(max_model_len),

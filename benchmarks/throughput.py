@@ -43,7 +43,6 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import random
 import subprocess
 import sys
@@ -75,8 +74,8 @@ def largest_batch(backend: str, spec, num_blocks: int, context: int, gen: int) -
     steady = layout.blocks_needed(context, context + gen) - layout.exact_blocks(context)
     peak = max(layout.peak_blocks(context), steady)
     batch = 0 if usable < peak else 1 + (usable - peak) // steady
-    store_bytes = layout.value_store_bytes(context, spec.num_layers)
-    store_capacity = int(spec.shadowkv.value_store_gib * (1 << 30))
+    store_bytes = layout.store_bytes(context)
+    store_capacity = spec.the_stamp.store_bytes
     store_cap = store_capacity // store_bytes if store_bytes else batch
     return {"batch": min(batch, store_cap), "blocks_per_request": steady, "peak_blocks": peak,
             "usable_blocks": usable, "store_bound": store_cap,
@@ -124,7 +123,7 @@ def child_main(args) -> None:
     vllm_config = llm.llm_engine.vllm_config
     scheduler = llm.llm_engine.engine_core.engine_core.scheduler
     (group,) = scheduler.kv_cache_config.kv_cache_groups
-    spec = group.kv_cache_spec  # ShadowKVSpec carries its layout and the layer count
+    spec = group.kv_cache_spec  # CompressedKVSpec carries its layout and the layer count
     num_blocks = vllm_config.cache_config.num_gpu_blocks
     fit = largest_batch(backend, spec, num_blocks, context, gen)
     batch = min(fit["batch"], job["max_batch"]) if job["max_batch"] else fit["batch"]

@@ -26,6 +26,14 @@ class EngineWorkerExtension:
             if getattr(layer, "attn_backend", None) is not None
         }
 
+    def kv_compression_runner(self) -> dict:
+        """Which model runner this worker built (the plugin's methods need V1's)."""
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+        runner = self.model_runner
+        return {"class": type(runner).__name__, "v1": isinstance(runner, GPUModelRunner),
+                "use_v2_model_runner": self.vllm_config.use_v2_model_runner}
+
     def kv_compression_stats(self) -> dict:
         """Per-request mode and selection traffic (live and recently finished requests), and
         the host store's occupancy, on this worker."""

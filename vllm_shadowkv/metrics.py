@@ -2,8 +2,9 @@
 
 Workers write a snapshot of their counters when they change, at most once per engine step
 (``WorkerState.report``), into a directory the plugin creates in the front-end process and
-names in ``SHADOWKV_STATS_DIR`` (spawned engine processes inherit it). A collector in the server
-process sums the workers' snapshots when ``/metrics`` is scraped.
+names in ``SHADOWKV_STATS_DIR`` (engine processes inherit it; vLLM's Ray executor copies it to
+its workers, on the same node). A collector in the server process sums the snapshots when ``/metrics`` is
+scraped.
 """
 
 from __future__ import annotations
@@ -27,10 +28,17 @@ _GAUGES = {
 }
 
 
+RAY_COPY_ENV = "VLLM_RAY_EXTRA_ENV_VARS_TO_COPY"  # vLLM's list of extra variables for Ray
+
+
 def ensure_stats_dir() -> str:
     path = os.environ.get(STATS_DIR_ENV)
     if not path:
         path = os.environ[STATS_DIR_ENV] = tempfile.mkdtemp(prefix="shadowkv-stats-")
+    # Ray workers get only the variables vLLM copies: name ours among them.
+    copied = [name for name in os.environ.get(RAY_COPY_ENV, "").split(",") if name]
+    if STATS_DIR_ENV not in copied:
+        os.environ[RAY_COPY_ENV] = ",".join([*copied, STATS_DIR_ENV])
     return path
 
 

@@ -91,6 +91,12 @@ def named_method(backend) -> str | None:
     return name if name in NAMES else None
 
 
+def selects_plugin(backend) -> bool:
+    """True when ``backend`` selects one of the plugin's methods, before or after the front
+    end turns the method's name into the CUSTOM slot."""
+    return named_method(backend) is not None or is_engine_backend(backend)
+
+
 def is_engine_backend(backend) -> bool:
     """True when ``backend`` (an ``AttentionBackendEnum`` or None) is this plugin's slot."""
     from vllm.v1.attention.backends.registry import AttentionBackendEnum

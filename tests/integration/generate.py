@@ -3,13 +3,15 @@
 usage: generate.py REQUEST.json RESULT.json
 REQUEST: {"model", "attention_backend" (or null), "batches": [[prompt, ...], ...],
           "max_tokens", "engine_kwargs": {...}}
-RESULT:  {"backends": {layer: backend name}, "batches": [[{"token_ids", "logprobs"}, ...], ...],
+RESULT:  {"backends": {layer: backend name}, "runner": {"class", "v1", ...}, "batches": [[{"token_ids", "logprobs"}, ...], ...],
+          "rank_backends": [{layer: backend name} of each rank], "start_s": engine start time,
           "stats": [kv_compression_stats of rank 0 after each batch] (plugin methods only),
           "rank_stats": [[kv_compression_stats of each rank] after each batch] (plugin methods only)}
 """
 
 import json
 import sys
+import time
 
 if __name__ == "__main__":  # vLLM spawns its engine core: keep the entry point guarded
     from vllm import LLM, SamplingParams
@@ -17,6 +19,7 @@ if __name__ == "__main__":  # vLLM spawns its engine core: keep the entry point 
     from vllm_shadowkv.introspect import EXTENSION_CLASS
 
     request = json.loads(open(sys.argv[1]).read())
+    start = time.monotonic()
     llm = LLM(
         model=request["model"],
         attention_backend=request.get("attention_backend"),
@@ -25,8 +28,11 @@ if __name__ == "__main__":  # vLLM spawns its engine core: keep the entry point 
         seed=0,
         **request.get("engine_kwargs", {}),
     )
+    start_s = time.monotonic() - start
     params = SamplingParams(temperature=0.0, max_tokens=request.get("max_tokens", 16), logprobs=5)
-    result = {"backends": llm.collective_rpc("kv_compression_backends")[0], "batches": []}
+    rank_backends = llm.collective_rpc("kv_compression_backends")
+    result = {"backends": rank_backends[0], "rank_backends": rank_backends, "start_s": start_s,
+              "runner": llm.collective_rpc("kv_compression_runner")[0], "batches": []}
     for prompts in request["batches"]:
         outputs = llm.generate(prompts, params, use_tqdm=False)
         if request.get("attention_backend"):

@@ -1,7 +1,7 @@
-"""Lifecycle scenarios for the shadowkv engine, run in a fresh process with the engine core
+"""Lifecycle scenarios for a method on the engine, run in a fresh process with the engine core
 in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so the scheduler's block pool can be inspected.
 
-usage: lifecycle.py SCENARIO MODEL RESULT.json    (scenarios: see SCENARIOS)
+usage: lifecycle.py SCENARIO METHOD MODEL RESULT.json    (scenarios: see SCENARIOS)
 """
 
 import json
@@ -9,15 +9,26 @@ import random
 import sys
 
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi".split()
-# Full rank (the tiny model's key width) and a budget covering max_model_len: sparse == dense.
-FULL = {"rank": 256, "sparse_budget": 1024, "outlier_chunks": 4, "min_sparse_len": 512}
 MAX_LEN = 1024
+KEY_WIDTH = 256  # the tiny model's: 4 KV heads x 64
 # Two long (sparse) requests that each generate 600 tokens in a pool sized so that the second is
 # admitted next to the first, but their generated pages collide: vLLM preempts the second and
 # recomputes it once the first is done.
 PREEMPT_PROMPTS = [(52, 7), (54, 8)]  # ~300 tokens each: staging is small next to the growth
 PREEMPT_TOKENS = 400
-PREEMPT_SETTINGS = {"sparse_budget": 64, "outlier_chunks": 2, "min_sparse_len": 256}
+
+
+def full(method):
+    """The method's covering settings for max_model_len: compressed == dense."""
+    from vllm_shadowkv.methods import METHODS
+
+    return METHODS[method].covering_settings(KEY_WIDTH, MAX_LEN) | {"min_sparse_len": 512}
+
+
+def small_budget(method, budget, min_sparse_len):
+    from vllm_shadowkv.methods import METHODS
+
+    return METHODS[method].covering_settings(KEY_WIDTH, budget) | {"min_sparse_len": min_sparse_len}
 
 
 def text(num_words, seed):
@@ -25,13 +36,14 @@ def text(num_words, seed):
     return " ".join(rng.choice(WORDS) for _ in range(num_words))
 
 
-def engine(model, backend, settings=None, **kwargs):
+def engine(model, method, settings=None, **kwargs):
+    """An engine running ``method`` (None: vLLM's default backend)."""
     from vllm import LLM
 
     from vllm_shadowkv.introspect import EXTENSION_CLASS
 
-    extra = {"attention_backend": "shadowkv",
-             "additional_config": {"shadowkv": settings or FULL}} if backend else {}
+    extra = {"attention_backend": method,
+             "additional_config": {method: settings or full(method)}} if method else {}
     kwargs = {"max_model_len": MAX_LEN, **kwargs}
     return LLM(model=model, enforce_eager=True, enable_prefix_caching=False, seed=0,
                worker_extension_cls=EXTENSION_CLASS, **extra, **kwargs)
@@ -69,27 +81,30 @@ def greedy(llm, prompts, max_tokens):
     ]
 
 
-def preemption(model):
+def preemption(model, method):
     """Too few pages for every request's growth: vLLM preempts and later recomputes."""
     import torch
     from transformers import AutoTokenizer
 
     from vllm_shadowkv.backend.layout import PageLayout
+    from vllm_shadowkv.config import parse_settings
+    from vllm_shadowkv.methods import METHODS
     from vllm_shadowkv.methods.base import KVShapes
-    from vllm_shadowkv.methods.shadowkv import ShadowKVMethod, ShadowKVSettings
 
-    settings = PREEMPT_SETTINGS
+    settings = small_budget(method, 64, 256)
     prompts = [text(*p) for p in PREEMPT_PROMPTS]
     first, second = (len(AutoTokenizer.from_pretrained(model)(p).input_ids) for p in prompts)
     shapes = KVShapes(4, 64, torch.bfloat16, 128, num_layers=4, max_model_len=768)
-    layout = PageLayout(ShadowKVMethod(ShadowKVSettings(**settings).resolved(shapes), shapes))
+    cls = METHODS[method]
+    resolved = parse_settings(cls.settings_cls, settings).resolved(shapes)
+    layout = PageLayout(cls(resolved, shapes))
     # Room for the first request compressed and the second while it is compressed (+ the null
     # block and one generated page): both are admitted, then their generated pages collide.
     # (The pool must also hold one max_model_len prompt while it is staged: vLLM's start-up check.)
     max_len = 768
     pool = max(layout.steady_blocks(first) + layout.peak_blocks(second),
                layout.peak_blocks(max_len)) + 2
-    small = engine(model, True, settings=settings, num_gpu_blocks_override=pool,
+    small = engine(model, method, settings=settings, num_gpu_blocks_override=pool,
                    max_model_len=max_len, max_num_batched_tokens=256,
                    disable_log_stats=False)  # for get_metrics()
     out = greedy(small, prompts, PREEMPT_TOKENS)
@@ -100,11 +115,11 @@ def preemption(model):
     return result
 
 
-def abort(model):
+def abort(model, method):
     """Requests aborted mid-generation (one long, sparse; one short) give everything back."""
     from vllm import SamplingParams
 
-    llm = engine(model, True, max_num_batched_tokens=256)
+    llm = engine(model, method, max_num_batched_tokens=256)
     before = pool_state(llm)
     eng = llm.llm_engine
     params = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True)
@@ -121,25 +136,25 @@ def abort(model):
     return {"before": before, "after": pool_state(llm), "finished": sorted(finished)}
 
 
-def store_full(model):
+def store_full(model, method):
     """The value store holds one long request's values, not two: the second waits its turn."""
     prompts = [text(130, 3), text(140, 4)]  # ~750 tokens each
     # tiny model: 4 layers x 4 KV heads x 64 x bf16 = 2 KiB of values per compressed token, so
     # 2 MiB holds one request of at most MAX_LEN tokens, not two of 750
-    llm = engine(model, True, settings={**FULL, "value_store_gib": 2 / 1024})
+    llm = engine(model, method, settings={**full(method), "value_store_gib": 2 / 1024})
     out = greedy(llm, prompts, 24)
     return {"outputs": out, "after": pool_state(llm)}
 
 
-def reference(model):
+def reference(model, method=None):
     """The default backend on the prompts of the other scenarios."""
-    llm = engine(model, False)
+    llm = engine(model, None)
     return {"store_full": greedy(llm, [text(130, 3), text(140, 4)], 24)}
 
 
-def thousand_requests(model):
+def thousand_requests(model, method):
     """1,000 mixed requests in waves: the block pool and the store end as they started."""
-    llm = engine(model, True, settings={**FULL, "sparse_budget": 128},
+    llm = engine(model, method, settings=small_budget(method, 128, 512),
                  max_num_batched_tokens=2048)
     before = pool_state(llm)
     rng = random.Random(0)
@@ -159,5 +174,5 @@ def thousand_requests(model):
 SCENARIOS = {f.__name__: f for f in (preemption, abort, store_full, reference, thousand_requests)}
 
 if __name__ == "__main__":
-    scenario, model, out = sys.argv[1:4]
-    json.dump(SCENARIOS[scenario](model), open(out, "w"))
+    scenario, method, model, out = sys.argv[1:5]
+    json.dump(SCENARIOS[scenario](model, method), open(out, "w"))

@@ -20,6 +20,7 @@ def test_offline_shadowkv_is_used_and_matches_default_backend(tiny_model, tmp_pa
     )
     assert set(ref["backends"].values()) == {"CPU_ATTN"}
     assert len(test["backends"]) == 4 and set(test["backends"].values()) == {"SHADOWKV"}
+    assert test["runner"]["v1"] and test["runner"]["use_v2_model_runner"] is False
     for ref_batch, test_batch in zip(ref["batches"], test["batches"]):
         assert_greedy_close(ref_batch, test_batch, names=("default", "shadowkv"))
     # Same prompt, same engine, another batch: the cache pages of batch 1 did not leak in.

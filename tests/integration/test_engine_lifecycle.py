@@ -1,4 +1,5 @@
-"""Preemption, aborts, a full value store and 1,000 requests through the shadowkv engine.
+"""Preemption, aborts, a full host store and 1,000 requests through the engine, for every
+method of the table.
 
 Each scenario runs in a fresh process (tests/integration/lifecycle.py) with the engine core
 in-process, so the scheduler's block pool is read directly.
@@ -12,14 +13,17 @@ from pathlib import Path
 import pytest
 from engine_utils import assert_greedy_close, engine_env
 
+from vllm_shadowkv.methods import METHODS
+
 pytestmark = pytest.mark.slow
 SCRIPT = Path(__file__).parent / "lifecycle.py"
 
 
-def run(scenario, model, tmp_path):
+def run(scenario, model, tmp_path, method="none"):
     out = tmp_path / f"{scenario}.json"
     env = engine_env() | {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    proc = subprocess.run([sys.executable, str(SCRIPT), scenario, model, str(out)], env=env,
+    proc = subprocess.run([sys.executable, str(SCRIPT), scenario, method, model, str(out)],
+                          env=env,
                           cwd=tmp_path, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-6000:]
     return json.loads(out.read_text())
@@ -36,32 +40,36 @@ def reference(tiny_model, tmp_path_factory):
     return run("reference", tiny_model, tmp_path_factory.mktemp("reference"))
 
 
-def test_preemption_recomputes_sparse_request(tiny_model, tmp_path):
+@pytest.mark.parametrize("method", list(METHODS))
+def test_preemption_recomputes_sparse_request(method, tiny_model, tmp_path):
     """vLLM preempts a compressed request when pages run out and recomputes it (its prompt is
     compressed again); both requests finish and everything is given back."""
-    result = run("preemption", tiny_model, tmp_path)
+    result = run("preemption", tiny_model, tmp_path, method)
     assert result["preemptions"] and result["preemptions"] > 0
     assert [len(o["token_ids"]) for o in result["outputs"]] == [400, 400]
     assert result["after"]["finished_modes"] == ["sparse", "sparse"]
     assert_empty(result["after"])
 
 
-def test_abort_mid_generation_frees_everything(tiny_model, tmp_path):
-    result = run("abort", tiny_model, tmp_path)
+@pytest.mark.parametrize("method", list(METHODS))
+def test_abort_mid_generation_frees_everything(method, tiny_model, tmp_path):
+    result = run("abort", tiny_model, tmp_path, method)
     assert result["finished"] == ["r2", "r3"]  # aborted requests report no finish
     assert_empty(result["before"])
     assert_empty(result["after"])
 
 
-def test_full_value_store_waits_then_completes(tiny_model, tmp_path, reference):
-    result = run("store_full", tiny_model, tmp_path)
-    assert_greedy_close(reference["store_full"], result["outputs"], ("default", "shadowkv"))
+@pytest.mark.parametrize("method", list(METHODS))
+def test_full_host_store_waits_then_completes(method, tiny_model, tmp_path, reference):
+    result = run("store_full", tiny_model, tmp_path, method)
+    assert_greedy_close(reference["store_full"], result["outputs"], ("default", method))
     assert result["after"]["finished_modes"] == ["sparse", "sparse"]
     assert_empty(result["after"])
 
 
-def test_thousand_mixed_requests_leave_pool_and_store_empty(tiny_model, tmp_path):
-    result = run("thousand_requests", tiny_model, tmp_path)
+@pytest.mark.parametrize("method", list(METHODS))
+def test_thousand_mixed_requests_leave_pool_and_store_empty(method, tiny_model, tmp_path):
+    result = run("thousand_requests", tiny_model, tmp_path, method)
     assert_empty(result["before"])
     assert_empty(result["after"])
     assert result["after"]["store"]["allocated_bytes"] > 0  # long requests did use the store

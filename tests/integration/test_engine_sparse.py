@@ -1,10 +1,13 @@
-"""ShadowKV sparse decode inside a real vLLM engine (CPU, fresh processes, tiny local model)."""
+"""Compressed decode inside a real vLLM engine (CPU, fresh processes, tiny local model): every
+method of the table with covering settings equals dense; ShadowKV at the paper's ratio."""
 
 import os
 import random
 
 import pytest
 from engine_utils import PROMPTS, assert_greedy_close, generate_in_fresh_process
+
+from vllm_shadowkv.methods import METHODS
 
 pytestmark = pytest.mark.slow
 
@@ -17,25 +20,29 @@ def long_prompt(num_words: int, seed: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(num_words))
 
 
-def test_full_rank_covering_budget_equals_default_and_runs_sparse(tiny_model, tmp_path):
+@pytest.mark.parametrize("block_size", [128, 16])  # the CPU's default and CUDA's
+@pytest.mark.parametrize("method", list(METHODS))
+def test_covering_settings_equal_default_and_run_sparse(method, block_size, tiny_model,
+                                                         tmp_path):
     """Long prompts (chunked prefill: longer than max_num_batched_tokens) next to short ones:
-    with full rank (key width 256) and a budget covering the context, sparse decode must give
-    the default backend's greedy tokens, and the long requests must really decode sparsely."""
+    with the method's covering settings (ShadowKV: full rank, the tiny model's key width 256, and
+    a budget covering the context), compressed decode must give the default backend's greedy
+    tokens, and the long requests must really decode compressed."""
     long_a, long_b = long_prompt(500, 0), long_prompt(700, 1)  # ~3.1K and ~4.4K tokens
     batch = [PROMPTS[0], long_a, PROMPTS[1], long_b]
     common = {
         "model": tiny_model, "batches": [batch], "max_tokens": 16,
         "engine_kwargs": {"max_model_len": 6144, "max_num_batched_tokens": 1024,
-                          "enable_prefix_caching": False},
+                          "enable_prefix_caching": False, "block_size": block_size},
     }
     ref = generate_in_fresh_process({**common, "attention_backend": None}, _dir(tmp_path, "ref"))
-    settings = {"rank": 256, "sparse_budget": 8192, "outlier_chunks": 8, "min_sparse_len": 2048}
+    settings = METHODS[method].covering_settings(256, 6144) | {"min_sparse_len": 2048}
     test = generate_in_fresh_process(
-        {**common, "attention_backend": "shadowkv",
+        {**common, "attention_backend": method,
          "engine_kwargs": {**common["engine_kwargs"],
-                           "additional_config": {"shadowkv": settings}}},
-        _dir(tmp_path, "shadowkv"))
-    assert_greedy_close(ref["batches"][0], test["batches"][0], names=("default", "shadowkv"))
+                           "additional_config": {method: settings}}},
+        _dir(tmp_path, method))
+    assert_greedy_close(ref["batches"][0], test["batches"][0], names=("default", method))
     finished = test["stats"][0]["finished"]
     modes = sorted((s["prompt_len"], s["mode"]) for s in finished.values())
     assert [m for _, m in modes] == ["dense", "dense", "sparse", "sparse"], modes
@@ -43,6 +50,26 @@ def test_full_rank_covering_budget_equals_default_and_runs_sparse(tiny_model, tm
     assert all(s["decode_steps"] > 0 and s["selected"] > 0 for s in sparse)
     store = test["stats"][0]["store"]
     assert store["used_bytes"] == 0 and store["num_keys"] == 0  # finished requests gave it back
+
+
+@pytest.mark.parametrize("method", list(METHODS))
+def test_triton_kernel_path_in_the_engine_gives_the_torch_tokens(method, tiny_model, tmp_path):
+    """The Triton kernels called from the model runner (setting kernels "triton"; on the CPU
+    under TRITON_INTERPRET=1, the only way they run inside an engine here) against the torch
+    path, on a short prompt with a budget below its context."""
+    batch = [long_prompt(55, 5)]  # ~330 tokens
+    settings = METHODS[method].covering_settings(256, 64) | {"min_sparse_len": 256}
+    common = {"model": tiny_model, "batches": [batch], "max_tokens": 6, "attention_backend": method}
+    runs = {}
+    for kernels, env in (("torch", {}), ("triton", {"TRITON_INTERPRET": "1"})):
+        engine = {"max_model_len": 1024, "enable_prefix_caching": False,
+                  "additional_config": {method: settings | {"kernels": kernels}}}
+        runs[kernels] = generate_in_fresh_process(
+            {**common, "engine_kwargs": engine}, _dir(tmp_path, kernels), env=env)
+    assert_greedy_close(runs["torch"]["batches"][0], runs["triton"]["batches"][0],
+                        names=("torch", "triton"))
+    (stats,) = runs["triton"]["stats"][0]["finished"].values()
+    assert stats["mode"] == "sparse" and stats["selected"] > stats["hits"] > 0
 
 
 def _dir(tmp_path, name):
@@ -84,25 +111,26 @@ def test_paper_ratio_answers_needles_with_fidelity_inside_the_engine(tmp_path):
     assert max(f["relative_error"] for f in fidelity) < 0.15
 
 
-def test_tensor_parallel_ranks_each_compress_their_own_kv_heads(tiny_model, tmp_path):
+@pytest.mark.parametrize("method", list(METHODS))
+def test_tensor_parallel_ranks_each_compress_their_own_kv_heads(method, tiny_model, tmp_path):
     """Tensor parallelism (2 ranks, multiprocessing executor: the CPU platform has no Ray): each
-    rank holds 2 of the 4 KV heads, compresses them at its own full rank (2 x 64) into its own
-    value store, and the covering-budget output equals the default backend's on one rank."""
+    rank holds 2 of the 4 KV heads, compresses them with its own covering settings (ShadowKV: its
+    full rank, 2 x 64) into its own host store, and the output equals the default backend's."""
     batch = [PROMPTS[0], long_prompt(450, 2)]  # ~2.8K tokens
     common = {"model": tiny_model, "batches": [batch], "max_tokens": 8,
               "engine_kwargs": {"max_model_len": 4096, "enable_prefix_caching": False}}
     ref = generate_in_fresh_process({**common, "attention_backend": None}, _dir(tmp_path, "ref"))
-    settings = {"rank": 128, "sparse_budget": 4096, "outlier_chunks": 8, "min_sparse_len": 2048}
+    settings = METHODS[method].covering_settings(128, 4096) | {"min_sparse_len": 2048}
     cpus = sorted(os.sched_getaffinity(0))
     # vLLM's automatic thread binding wants a NUMA node per rank; give each rank its own core.
     bind = "|".join(map(str, cpus[:2])) if len(cpus) >= 2 else "nobind"
     test = generate_in_fresh_process(
-        {**common, "attention_backend": "shadowkv",
+        {**common, "attention_backend": method,
          "engine_kwargs": {**common["engine_kwargs"], "tensor_parallel_size": 2,
                            "distributed_executor_backend": "mp",
-                           "additional_config": {"shadowkv": settings}}},
+                           "additional_config": {method: settings}}},
         _dir(tmp_path, "tp2"), timeout=900, env={"VLLM_CPU_OMP_THREADS_BIND": bind})
-    assert_greedy_close(ref["batches"][0], test["batches"][0], names=("default", "shadowkv tp2"))
+    assert_greedy_close(ref["batches"][0], test["batches"][0], names=("default", f"{method} tp2"))
     ranks = test["rank_stats"][0]
     assert len(ranks) == 2
     for rank in ranks:

@@ -57,6 +57,31 @@ def test_a_store_too_small_for_one_prompt_fails_before_loading_in_mib(tiny_model
     assert "raise shadowkv.value_store_gib to at least 0.0078" in message
 
 
+def test_model_runner_v1_is_chosen_for_the_plugin_only(tiny_model, monkeypatch):
+    config = engine_config(tiny_model)
+    default = EngineArgs(model=tiny_model, enforce_eager=True).create_engine_config()
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")  # as vLLM decides where Triton works
+    assert default.use_v2_model_runner is True
+    assert config.use_v2_model_runner is False
+
+
+def test_an_explicit_v2_runner_or_graph_partition_is_refused(tiny_model, monkeypatch):
+    with pytest.raises(ValueError, match="cannot run with use_inductor_graph_partition"):
+        engine_config(tiny_model, compilation_config={"use_inductor_graph_partition": True})
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    with pytest.raises(ValueError, match="runs on vLLM's Model Runner V1 .* unset "
+                                         "VLLM_USE_V2_MODEL_RUNNER=1"):
+        engine_config(tiny_model)
+
+
+def test_the_triton_kernel_path_on_the_cpu_needs_the_interpreter(tiny_model, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="kernels 'triton' on cpu needs TRITON_INTERPRET=1"):
+        engine_config(tiny_model, additional_config={"shadowkv": {"kernels": "triton"}})
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    engine_config(tiny_model, additional_config={"shadowkv": {"kernels": "triton"}})
+
+
 def test_kv_offloading_size_is_the_host_store(tiny_model):
     config = engine_config(tiny_model, kv_offloading_size=2.0)
     assert config.additional_config[STAMP_KEY]["store_bytes"] == 2 << 30

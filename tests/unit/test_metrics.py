@@ -26,3 +26,4 @@ def test_collector_counts_requests_once_across_tensor_parallel_ranks(tmp_path):
 def test_no_series_without_a_method_running(tmp_path):
     metrics = {m.name: list(m.samples) for m in EngineCollector(str(tmp_path)).collect()}
     assert all(samples == [] for samples in metrics.values())
+

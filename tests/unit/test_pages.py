@@ -181,3 +181,28 @@ def test_paged_sparse_decode_on_cuda_matches_cpu():
             outs[device].append(out.cpu())
     for got, ref in zip(outs["cuda"], outs["cpu"]):
         torch.testing.assert_close(got, ref, atol=3e-2, rtol=3e-2)
+
+
+def test_layers_with_different_pages_share_one_block_table():
+    """Per-layer policy: a method whose layers keep different amounts (``token_bytes`` per
+    layer) gets one spec per layer; vLLM groups them under one block table
+    (``UniformTypeKVCacheSpecs``) as long as their block counts agree, which the engine's layout
+    guarantees (the counts are the method's, the same for every layer)."""
+    from dataclasses import replace
+
+    from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs
+
+    from vllm_shadowkv import plugin
+    from vllm_shadowkv.backend.kv_spec import CompressedKVSpec
+    from vllm_shadowkv.config import Stamp
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    plugin.register()
+    stamp = Stamp("shadowkv", SETTINGS.resolved(make_layout().shapes), 1 << 30)
+    base = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=32, dtype=torch.float32)
+    spec = CompressedKVSpec.for_layer(base, stamp, 0, max_model_len=4096, num_layers=2)
+    wider = replace(spec, state_content_bytes=2 * spec.state_content_bytes)
+    group = UniformTypeKVCacheSpecs.from_specs({"layers.0.attn": spec, "layers.1.attn": wider})
+    assert group is not None
+    assert group.page_size_bytes == spec.page_size_bytes + wider.page_size_bytes
+    assert group.max_num_blocks_per_req(None, 4096) == spec.max_num_blocks_per_req(None, 4096)

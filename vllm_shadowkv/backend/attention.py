@@ -32,6 +32,7 @@ from vllm_shadowkv.backend.exact_attention import exact_attention, read_exact, w
 from vllm_shadowkv.backend.kv_spec import CompressedKVSpec
 from vllm_shadowkv.backend.layout import PageLayout
 from vllm_shadowkv.backend.worker_state import STATE, EngineFacts
+from vllm_shadowkv.core.ops import kernel_mode
 from vllm_shadowkv.core.rope import RopeCache
 from vllm_shadowkv.methods.base import LayerContext, RequestRows
 
@@ -90,6 +91,10 @@ class EngineMetadata:
 
 
 class EngineMetadataBuilder(AttentionMetadataBuilder[EngineMetadata]):
+    # Never captured: a step's work depends on each request's phase (exact prefill, finalize,
+    # compressed decode) and on data (how many selected rows missed, gathered by the host from
+    # the store), which a replayed graph would freeze. vLLM then leaves these layers out of its
+    # CUDA graphs (piecewise capture around them). CPU-checked: the engine tests run eagerly too.
     _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
 
     def __init__(self, kv_cache_spec: CompressedKVSpec, layer_names: list[str],
@@ -203,11 +208,18 @@ class EngineImpl(AttentionImpl[EngineMetadata]):
         if attn_metadata is None:  # profiling run
             return output.fill_(0)
         m, layout = attn_metadata, attn_metadata.layout
-        method = layout.method
         n, h, hkv, d = m.num_actual_tokens, self.num_heads, self.num_kv_heads, self.head_size
         query, out = query[:n].view(n, h, d), output[:n].view(n, h, d)
         key, value = key[:n].view(n, hkv, d), value[:n].view(n, hkv, d)
         ctx = self._context(layer, kv_cache, layout)
+        with kernel_mode(layout.method.settings.kernels):
+            self._run(m, ctx, query, key, value, out)
+        return output
+
+    def _run(self, m: EngineMetadata, ctx: LayerContext, query, key, value, out) -> None:
+        """Each request in its phase; the compressed decodes of the step in one method call."""
+        layout, kv_cache = ctx.layout, ctx.kv_cache
+        method = layout.method
         decoding: list[RequestRows] = []
         for i, req_id in enumerate(m.req_ids):
             start, end = m.query_start_loc[i], m.query_start_loc[i + 1]
@@ -230,7 +242,6 @@ class EngineImpl(AttentionImpl[EngineMetadata]):
                 self._finalize(ctx, req)
         if decoding:
             method.decode(ctx, decoding, query, key, value, out)
-        return output
 
     def _finalize(self, ctx: LayerContext, req: RequestRows) -> None:
         positions = torch.arange(req.prompt_len, device=ctx.kv_cache.device)

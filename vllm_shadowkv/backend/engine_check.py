@@ -71,6 +71,8 @@ def validate_engine(vllm_config, method: str) -> Stamp:
         num_layers=model_config.get_num_layers(parallel),
         max_model_len=model_config.max_model_len)
     settings.check_engine(shapes)
+    check_kernels(settings, method)
+    check_runner(vllm_config, method)
     settings = settings.resolved(shapes)
     world = parallel.tensor_parallel_size * parallel.pipeline_parallel_size
     check_kv_offloading(vllm_config, method)
@@ -84,6 +86,36 @@ def validate_engine(vllm_config, method: str) -> Stamp:
         cache_config.kv_offloading_size = None  # vLLM would start its offloading connector
     vllm_config.additional_config[STAMP_KEY] = stamp.to_json()
     return stamp
+
+
+def check_runner(vllm_config, method: str) -> None:
+    """Model Runner V1 (``patches/model_runner_v1.py`` says why), and no CUDA-graph capture
+    that would record the KV write without the engine's metadata."""
+    from vllm import envs
+
+    if envs.VLLM_USE_V2_MODEL_RUNNER:
+        raise SettingsError(
+            f"the {method} attention backend runs on vLLM's Model Runner V1 (its runner hook "
+            "reads V1's batch state); unset VLLM_USE_V2_MODEL_RUNNER=1")
+    if vllm_config.compilation_config.use_inductor_graph_partition:
+        raise SettingsError(
+            f"the {method} attention backend cannot run with use_inductor_graph_partition: the "
+            "captured graphs would write the KV cache without the engine's per-step metadata; "
+            "remove it from --compilation-config")
+    logger.info("%s: running on vLLM's Model Runner V1", method)
+
+
+def check_kernels(settings, method: str) -> None:
+    import os
+
+    from vllm.platforms import current_platform
+
+    if (settings.kernels == "triton" and not current_platform.is_cuda_alike()
+            and os.environ.get("TRITON_INTERPRET") != "1"):
+        raise SettingsError(
+            f"{method}.kernels 'triton' on {current_platform.device_name} needs "
+            "TRITON_INTERPRET=1 (Triton compiles for GPUs only; the interpreter is for testing "
+            "the kernel path); use 'auto' or 'torch'")
 
 
 def check_kv_offloading(vllm_config, method: str) -> None:

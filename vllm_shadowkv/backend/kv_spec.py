@@ -16,16 +16,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from vllm.logger import init_logger
 from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
 from vllm.v1.kv_cache_interface import FullAttentionSpec, UniformTypeKVCacheSpecs
 
 from vllm_shadowkv.backend.layout import PageLayout
 from vllm_shadowkv.config import Stamp
 from vllm_shadowkv.methods.base import KVShapes, SettingsError
-
-logger = init_logger(f"vllm.{__name__}")  # under vLLM's handlers and level
-
 
 @dataclass(frozen=True, kw_only=True)
 class CompressedKVSpec(FullAttentionSpec):

@@ -18,7 +18,9 @@ from dataclasses import dataclass, field
 from vllm_shadowkv.config import Stamp, human_bytes, stamp_of
 from vllm_shadowkv.store import CpuValueStore
 
-STATS_DIR_ENV = "SHADOWKV_STATS_DIR"  # set by the plugin in the front end; workers inherit it
+# Set by the plugin in the front end; spawned workers inherit it, and vLLM copies it to its Ray
+# workers (metrics.ensure_stats_dir names it in VLLM_RAY_EXTRA_ENV_VARS_TO_COPY).
+STATS_DIR_ENV = "SHADOWKV_STATS_DIR"
 LOG_EVERY_S = 10.0
 
 
@@ -110,7 +112,11 @@ class WorkerState:
         return runner
 
     def batch_requests(self, num_reqs: int) -> tuple[list[str], list[int]]:
-        """Request ids and prompt lengths of the rows of this step's attention metadata."""
+        """Request ids and prompt lengths of the rows of this step's attention metadata. Before
+        the runner's first step (memory profiling, warm-up, CUDA-graph capture) no request was
+        ever scheduled: every row is a dummy, and none is returned."""
+        if self.runner_ref is None:
+            return [], []
         batch = self.runner.input_batch
         return list(batch.req_ids[:num_reqs]), batch.num_prompt_tokens[:num_reqs].tolist()
 

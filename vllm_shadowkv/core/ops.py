@@ -1,7 +1,8 @@
 """The one dispatch point between the torch references and the Triton kernels.
 
-CUDA tensors go to Triton; anything else to torch. `force_triton()` sends CPU tensors to the
-kernels too, which works only when they were imported under TRITON_INTERPRET=1 (tests).
+Mode "auto": CUDA tensors go to Triton, anything else to torch. "triton" sends every tensor to
+the kernels (CPU tensors work only under TRITON_INTERPRET=1: how the kernel path is tested inside
+the CPU engine); "torch" sends every tensor to the references.
 """
 
 import contextlib
@@ -12,21 +13,32 @@ import torch
 from . import reconstruct, select
 
 _HAS_TRITON = importlib.util.find_spec("triton") is not None
-_force = False
+KERNEL_MODES = ("auto", "triton", "torch")
+_mode = "auto"
 
 
 @contextlib.contextmanager
-def force_triton(enabled: bool = True):
-    global _force
-    previous, _force = _force, enabled
+def kernel_mode(mode: str):
+    global _mode
+    assert mode in KERNEL_MODES, mode
+    previous, _mode = _mode, mode
     try:
         yield
     finally:
-        _force = previous
+        _mode = previous
+
+
+def force_triton():
+    return kernel_mode("triton")
 
 
 def _use_triton(t: torch.Tensor) -> bool:
-    return _HAS_TRITON and (t.is_cuda or _force)
+    if _mode == "auto":
+        # CUDA: checked by tests/core/test_kernels.py and the decode tests on a GPU
+        # (scripts/gpu_checks.sh); the same kernels run on the CPU in "triton" mode under
+        # TRITON_INTERPRET=1, in the engine (test_triton_kernel_path_in_the_engine_...).
+        return _HAS_TRITON and t.is_cuda
+    return _mode == "triton"
 
 
 def _kernels(name: str):

@@ -3,7 +3,9 @@
 The decode step queues the key rebuild on the compute stream first, then gathers the missed
 value rows on the host (into pinned memory) and copies them on the copy stream; the compute
 stream waits for the copy only where the values are scattered into their slots. On the CPU
-everything is synchronous and nothing moves.
+everything is synchronous and nothing moves. The CUDA lines are checked by
+test_cuda_decode_from_pinned_store_matches_cpu and test_paged_sparse_decode_on_cuda_matches_cpu
+(scripts/gpu_checks.sh); the CPU path of the same calls by every decode test.
 """
 
 import torch

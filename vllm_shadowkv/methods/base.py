@@ -29,6 +29,8 @@ from typing import Any, ClassVar
 
 import torch
 
+from vllm_shadowkv.core.ops import KERNEL_MODES
+
 
 class SettingsError(ValueError):
     """A setting, the model or the engine options cannot be served by the selected method."""
@@ -70,11 +72,18 @@ class EngineSettings:
     """Diagnostic: keep an exact copy of each compressed prompt's K/V in host memory (outside
     every budget: not for production) and record, per layer and decode step, the relative error
     of the compressed attention against dense attention. Generation is unchanged."""
+    kernels: str = "auto"
+    """"auto": the Triton kernels on CUDA, their torch references elsewhere; "triton": the
+    kernels on any device (on the CPU only under TRITON_INTERPRET=1: the kernel path tested
+    inside the engine); "torch": the references everywhere."""
 
     def check(self) -> None:
         """Range checks that need no model; raise ``SettingsError`` naming the key."""
         at_least(self, "min_sparse_len", 1)
         at_least(self, "max_staging_requests", 1)
+        if self.kernels not in KERNEL_MODES:
+            raise SettingsError(f"{self.key}.kernels must be one of "
+                                f"{', '.join(map(repr, KERNEL_MODES))}, got {self.kernels!r}")
         if self.value_store_gib is not None and not self.value_store_gib > 0:
             raise SettingsError(f"{self.key}.value_store_gib must be > 0 (GiB), got "
                                 f"{self.value_store_gib}")
@@ -136,6 +145,17 @@ class KVMethod(ABC):
     name: ClassVar[str]
     settings_cls: ClassVar[type[EngineSettings]]
     needs_rope: ClassVar[bool] = False  # refuse models without RoPE in every layer
+    capacity_claim: ClassVar[tuple[dict[str, Any], float]]
+    """The method's capacity claim: with these settings, at Llama-3.1-8B attention shapes and
+    128K-token prompts, vLLM's maximum concurrency is at least this many times its default
+    backend's at the same KV memory (checked by tests/integration/test_capacity.py)."""
+
+    @classmethod
+    @abstractmethod
+    def covering_settings(cls, key_width: int, context_len: int) -> dict[str, Any]:
+        """Settings under which a compressed request of up to ``context_len`` tokens attends its
+        whole context exactly (full rank, a budget that covers it, no quantization): the
+        engine's exactness tests hold the method to dense attention with them."""
 
     def __init__(self, settings: EngineSettings, shapes: KVShapes) -> None:
         self.settings, self.shapes = settings, shapes

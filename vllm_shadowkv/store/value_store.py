@@ -59,6 +59,8 @@ class CpuValueStore:
                              f"row_shape={row_shape} and page_rows={page_rows} >= 1")
         self.dtype, self.row_shape = dtype, row_shape
         self.page_rows = page_rows
+        # Pinned on CUDA machines; checked by test_cuda_decode_from_pinned_store_matches_cpu
+        # (scripts/gpu_checks.sh), the CPU tests pass pin_memory=False.
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
         self.row_bytes = math.prod(row_shape) * dtype.itemsize
         self.page_bytes = page_rows * self.row_bytes

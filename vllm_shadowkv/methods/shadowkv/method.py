@@ -19,11 +19,20 @@ class ShadowKVMethod(KVMethod):
     name = "shadowkv"
     settings_cls = ShadowKVSettings
     needs_rope = True  # keys are factorised before RoPE and rebuilt with it
+    # The paper's settings (§5.1): 576 B per compressed token and layer instead of 4 KiB.
+    capacity_claim = ({"rank": 160, "chunk_size": 8, "sparse_budget": 2048,
+                       "outlier_chunks": 48, "local_window": 32}, 6.0)
 
     def __init__(self, settings: ShadowKVSettings, shapes: KVShapes) -> None:
         super().__init__(settings, shapes)
         self.pages = ShadowKVPages(settings, shapes)
         self.params = settings.params
+
+    @classmethod
+    def covering_settings(cls, key_width: int, context_len: int) -> dict:
+        chunk = ShadowKVSettings.chunk_size
+        return {"rank": key_width, "sparse_budget": -(-context_len // chunk) * chunk,
+                "outlier_chunks": 8}
 
     # -- pages --------------------------------------------------------------------------------
     def token_bytes(self, layer: int) -> int:

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# The GPU checks in one call, for a CUDA machine with torch and Triton (vLLM not needed): the
+# Triton kernels against their torch references, the CUDA decode path (pinned store, copy
+# stream) against the CPU's, and the decode-step benchmark at Llama-3.1-8B shapes.
+# Results go to ${OUT:-gpu_results}/.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-gpu_results}
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD/.gpu_pkg:${PYTHONPATH:-}"
+# The package layout as setup.py installs it (triton_kernels/ under vllm_shadowkv), without pip.
+mkdir -p .gpu_pkg && rm -rf .gpu_pkg/vllm_shadowkv && cp -r vllm_shadowkv .gpu_pkg/
+cp -r triton_kernels .gpu_pkg/vllm_shadowkv/triton_kernels
+python -m pytest -q -p no:cacheprovider --rootdir=. -c /dev/null tests/core \
+    "tests/unit/test_pages.py::test_paged_sparse_decode_on_cuda_matches_cpu" \
+    2>&1 | tee "$OUT/gpu_tests.txt"
+python benchmarks/bench_decode_step.py --device cuda --out "$OUT/decode_step_cuda.json" \
+    2>&1 | tee "$OUT/decode_step_cuda.txt"
