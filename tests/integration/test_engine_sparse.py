@@ -20,28 +20,37 @@ def long_prompt(num_words: int, seed: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(num_words))
 
 
+# Long prompts (chunked prefill: longer than max_num_batched_tokens) next to short ones.
+COVERING = {
+    "batches": [[PROMPTS[0], long_prompt(500, 0), PROMPTS[1], long_prompt(700, 1)]],  # ~3.1K/4.4K
+    "max_tokens": 16,
+    "engine_kwargs": {"max_model_len": 6144, "max_num_batched_tokens": 1024,
+                      "enable_prefix_caching": False},
+}
+
+
+@pytest.fixture(scope="module")
+def covering_reference(tiny_model, tmp_path_factory):
+    """The default backend, at the CPU's block size (vLLM's CPU attention takes multiples of 32
+    only); its output does not depend on the block size."""
+    return generate_in_fresh_process({**COVERING, "model": tiny_model, "attention_backend": None},
+                                     tmp_path_factory.mktemp("ref"))
+
+
 @pytest.mark.parametrize("block_size", [128, 16])  # the CPU's default and CUDA's
 @pytest.mark.parametrize("method", list(METHODS))
 def test_covering_settings_equal_default_and_run_sparse(method, block_size, tiny_model,
-                                                         tmp_path):
-    """Long prompts (chunked prefill: longer than max_num_batched_tokens) next to short ones:
-    with the method's covering settings (ShadowKV: full rank, the tiny model's key width 256, and
-    a budget covering the context), compressed decode must give the default backend's greedy
-    tokens, and the long requests must really decode compressed."""
-    long_a, long_b = long_prompt(500, 0), long_prompt(700, 1)  # ~3.1K and ~4.4K tokens
-    batch = [PROMPTS[0], long_a, PROMPTS[1], long_b]
-    common = {
-        "model": tiny_model, "batches": [batch], "max_tokens": 16,
-        "engine_kwargs": {"max_model_len": 6144, "max_num_batched_tokens": 1024,
-                          "enable_prefix_caching": False, "block_size": block_size},
-    }
-    ref = generate_in_fresh_process({**common, "attention_backend": None}, _dir(tmp_path, "ref"))
+                                                         covering_reference, tmp_path):
+    """With the method's covering settings (ShadowKV: full rank, the tiny model's key width 256,
+    and a budget covering the context), compressed decode must give the default backend's
+    greedy tokens, and the long requests must really decode compressed."""
+    ref, common = covering_reference, {**COVERING, "model": tiny_model}
     settings = METHODS[method].covering_settings(256, 6144) | {"min_sparse_len": 2048}
     test = generate_in_fresh_process(
         {**common, "attention_backend": method,
-         "engine_kwargs": {**common["engine_kwargs"],
+         "engine_kwargs": {**common["engine_kwargs"], "block_size": block_size,
                            "additional_config": {method: settings}}},
-        _dir(tmp_path, method))
+        tmp_path)
     assert_greedy_close(ref["batches"][0], test["batches"][0], names=("default", method))
     finished = test["stats"][0]["finished"]
     modes = sorted((s["prompt_len"], s["mode"]) for s in finished.values())
