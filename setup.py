@@ -29,8 +29,10 @@ setup(
     package_data={"vllm_shadowkv.eval": ["fixtures/**/*"]},
     install_requires=["torch", "tqdm"],
     extras_require={
-        # gguf and accelerate: transformers' GGUF loader, to convert the smollm2 model.
-        "test": ["pytest", "pytest-timeout", "requests", "openai", "gguf", "accelerate"],
+        # gguf and accelerate: transformers' GGUF loader, to convert the smollm2 model; ray: the
+        # Ray executor tests (tests/integration/test_ray.py).
+        "test": ["pytest", "pytest-timeout", "requests", "openai", "gguf", "accelerate",
+                 "ray==2.60.*"],
         "bench": ["matplotlib", "gguf", "accelerate"],
     },
     entry_points={

