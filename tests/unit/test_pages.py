@@ -25,8 +25,8 @@ def make_layout(h=2, d=32, block_size=32, settings=SETTINGS, dtype=torch.float32
 
 def context(cache, layout, rope, store, stats):
     return LayerContext(index=0, kv_cache=cache, layout=layout, rope=rope, store=store,
-                        scale=layout.shapes.head_size ** -0.5, stats=lambda _: stats,
-                        reference_kv={})
+                        store_for=None, scale=layout.shapes.head_size ** -0.5,
+                        stats=lambda _: stats, reference_kv={})
 
 
 def test_llama8b_shapes_compress_7x_per_token():
@@ -206,3 +206,28 @@ def test_layers_with_different_pages_share_one_block_table():
     assert group is not None
     assert group.page_size_bytes == spec.page_size_bytes + wider.page_size_bytes
     assert group.max_num_blocks_per_req(None, 4096) == spec.max_num_blocks_per_req(None, 4096)
+
+
+def test_a_generated_token_ring_and_growth_pages():
+    """A method that folds generated tokens (a quantized format) keeps the last ``ring`` exact,
+    in a ring after its region, and grows pages after the ring as groups are folded."""
+
+    class FoldingMethod(ShadowKVMethod):
+        generated_ring = 16
+
+        def growth_blocks(self, prompt_len, num_generated):
+            return num_generated // self.generated_ring  # one page per folded group
+
+    shapes = KVShapes(2, 32, torch.float32, 32, num_layers=1, max_model_len=4096)
+    layout = PageLayout(FoldingMethod(SETTINGS.resolved(shapes), shapes))
+    p = 1000
+    base = layout.exact_blocks(p) + layout.region_blocks(p)
+    ring_pages = layout.exact_blocks(16)
+    assert layout.blocks_needed(p, p + 5) == base + layout.exact_blocks(5)
+    assert layout.blocks_needed(p, p + 16) == base + ring_pages + 1  # full ring: one group
+    assert layout.blocks_needed(p, p + 40) == base + ring_pages + 2
+    ids = torch.arange(layout.blocks_needed(p, p + 40))
+    blocks, slots = layout.exact_token_slots(p, ids, torch.tensor([p, p + 16, p + 17]))
+    assert blocks[0] == blocks[1] == base and slots[0] == slots[1] == 0  # the ring wraps
+    assert slots[2] == 1
+    assert layout.growth_ids(p, 40, ids).tolist() == [base + ring_pages, base + ring_pages + 1]

@@ -256,7 +256,8 @@ class EngineImpl(AttentionImpl[EngineMetadata]):
         index = self._index_of(layer)
         return LayerContext(
             index=index, kv_cache=kv_cache, layout=layout,
-            rope=self._rope_of(layer), store=STATE.store(layout.method, index), scale=self.scale,
+            rope=self._rope_of(layer), store=STATE.store(layout.method, index),
+            store_for=lambda shape: STATE.store_for(shape, layout.shapes.dtype), scale=self.scale,
             stats=STATE.requests.__getitem__, reference_kv=STATE.reference_kv)
 
     def _index_of(self, layer) -> int:

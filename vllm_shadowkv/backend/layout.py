@@ -10,7 +10,9 @@ sees every byte:
 * **compressed requests** (prompt length P that the method compresses), block list positions:
   ``[0, staging)``           the prompt's exact K/V while it is prefilled; freed at prompt end;
   ``[staging, +region)``     the method's region (its compressed pages and per-request state);
-  ``[.., ...)``              generated tokens (positions >= P), exact.
+  ``[.., +generated)``       generated tokens (positions >= P), exact: all of them, or a ring of
+                             the last ``generated_ring`` for a method that folds older ones;
+  ``[.., ...)``              growth pages the method folds generated tokens into (ring only).
 
 The manager (scheduler side) and the attention backend (workers) both derive this from P and
 the method alone, so nothing but vLLM's block table has to travel between them.
@@ -64,12 +66,19 @@ class PageLayout:
     def region_blocks(self, prompt_len: int) -> int:
         return self.method.region_blocks(prompt_len)
 
+    def exact_generated(self, num_generated: int) -> int:
+        """Generated tokens held exact: all, or the method's ring."""
+        ring = self.method.generated_ring
+        return num_generated if ring is None else min(num_generated, ring)
+
     def blocks_needed(self, prompt_len: int, num_tokens: int) -> int:
         """Length of the request's block list once it holds ``num_tokens`` tokens."""
         if not self.is_sparse(prompt_len) or num_tokens < prompt_len:
             return self.exact_blocks(num_tokens)  # exact request, or one still prefilling
+        generated = num_tokens - prompt_len
         return (self.exact_blocks(prompt_len) + self.region_blocks(prompt_len)
-                + self.exact_blocks(num_tokens - prompt_len))
+                + self.exact_blocks(self.exact_generated(generated))
+                + self.method.growth_blocks(prompt_len, generated))
 
     def peak_blocks(self, prompt_len: int) -> int:
         """Blocks a request holds in the step its prompt is finalized (staging + region)."""
@@ -93,16 +102,28 @@ class PageLayout:
         start = self.exact_blocks(prompt_len)
         return block_ids[start: start + self.region_blocks(prompt_len)].long()
 
+    def growth_ids(self, prompt_len: int, num_generated: int,
+                   block_ids: torch.Tensor) -> torch.Tensor:
+        """Block ids of the growth pages (a method with a generated-token ring)."""
+        ring = self.method.generated_ring
+        assert ring is not None, "growth pages come with a generated-token ring"
+        start = (self.exact_blocks(prompt_len) + self.region_blocks(prompt_len)
+                 + self.exact_blocks(ring))
+        return block_ids[start: start + self.method.growth_blocks(prompt_len, num_generated)]
+
     def exact_token_slots(self, prompt_len: int, block_ids: torch.Tensor,
                           positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(block id, slot in page) of exact tokens at ``positions`` of one request: the prompt
-        in the staging pages, generated tokens of a compressed request after its region."""
+        in the staging pages, generated tokens of a compressed request after its region (at
+        their place in the ring, for a method with one)."""
         ne = self.exact_per_page
         index, offset = positions // ne, positions % ne
         if self.is_sparse(prompt_len):
             generated = positions >= prompt_len
             base = self.exact_blocks(prompt_len) + self.region_blocks(prompt_len)
             rel = positions - prompt_len
+            if self.method.generated_ring is not None:
+                rel = rel % self.method.generated_ring
             index = torch.where(generated, base + rel // ne, index)
             offset = torch.where(generated, rel % ne, offset)
         return block_ids[index.long()].long(), offset

@@ -91,12 +91,13 @@ class WorkerState:
         """This worker's host store for the method's rows in ``layer``, created on first use
         with the front end's capacity (its pages are allocated lazily up to that bound, pinned
         on CUDA). Rows of another shape get their own pool; admission bounds the total."""
-        shape = method.store_row_shape(layer)
-        if shape not in self._stores:
-            self._stores[shape] = CpuValueStore(
-                capacity_bytes=self.engine.stamp.store_bytes, dtype=method.shapes.dtype,
-                row_shape=shape)
-        return self._stores[shape]
+        return self.store_for(method.store_row_shape(layer), method.shapes.dtype)
+
+    def store_for(self, row_shape: tuple[int, ...], dtype) -> CpuValueStore:
+        if row_shape not in self._stores:
+            self._stores[row_shape] = CpuValueStore(
+                capacity_bytes=self.engine.stamp.store_bytes, dtype=dtype, row_shape=row_shape)
+        return self._stores[row_shape]
 
     @property
     def _store_totals(self) -> tuple[int, int]:

@@ -120,7 +120,8 @@ class LayerContext:
     kv_cache: torch.Tensor  # the layer's pages, [num_blocks, ...] in the model dtype
     layout: Any  # backend.layout.PageLayout: exact pages, the method's region
     rope: Any  # core.rope.RopeCache of this layer (the model's own rotary embedding)
-    store: Any  # the worker's host store (core.store.ValueStore)
+    store: Any  # the worker's host store for this layer's rows (core.store.ValueStore)
+    store_for: Any  # callable: row shape -> the worker's host store for rows of that shape
     scale: float
     stats: Any  # callable: request id -> backend.worker_state.RequestStats
     reference_kv: dict  # measure_fidelity: (request id, layer) -> exact prompt (keys, values)
@@ -174,13 +175,25 @@ class KVMethod(ABC):
         """Pages the method keeps per compressed request. One count for every layer (they share
         the block table); a layer that keeps less uses smaller pages (``token_bytes``)."""
 
+    # Generated tokens of a compressed request are exact by default, all of them. A method that
+    # folds them into its own format (quantized groups) keeps only a ring of the last
+    # ``generated_ring`` exact and gets ``growth_blocks`` pages after the ring to fold into: at
+    # the step that fills the ring, its ``decode`` must fold the ring's tokens there (the next
+    # token overwrites the ring's first slot).
+    generated_ring: ClassVar[int | None] = None
+
+    def growth_blocks(self, prompt_len: int, num_generated: int) -> int:
+        """Pages for generated tokens folded out of the ring (0 without a ring)."""
+        return 0
+
     @abstractmethod
     def store_bytes(self, layer: int, prompt_len: int) -> int:
         """Host-store bytes of one compressed request in ``layer`` (0: nothing offloaded)."""
 
     @abstractmethod
     def store_row_shape(self, layer: int) -> tuple[int, ...]:
-        """Shape of one row of ``layer``'s host store (the unit a decode step fetches)."""
+        """Shape of one row of ``layer``'s host store (the unit a decode step fetches):
+        ``LayerContext.store``. Rows of other shapes: ``LayerContext.store_for(shape)``."""
 
     # -- worker hooks ---------------------------------------------------------------------------
     def prefill_chunk(self, layer: LayerContext, req: RequestRows, query: torch.Tensor, key: torch.Tensor,
