@@ -3,8 +3,10 @@
 usage: generate.py REQUEST.json RESULT.json
 REQUEST: {"model", "attention_backend" (or null), "batches": [[prompt, ...], ...],
           "max_tokens", "engine_kwargs": {...}}
-RESULT:  {"backends": {layer: backend name}, "runner": {"class", "v1", ...}, "batches": [[{"token_ids", "logprobs"}, ...], ...],
-          "rank_backends": [{layer: backend name} of each rank], "start_s": engine start time,
+RESULT:  {"backends": {layer: backend name}, "runner": {"class", "v1", ...},
+          "batches": [[{"token_ids", "logprobs"}, ...], ...],
+          "rank_backends": [{layer: backend name} of each rank],
+          "rank_runners": [runner of each rank], "start_s": engine start time,
           "stats": [kv_compression_stats of rank 0 after each batch] (plugin methods only),
           "rank_stats": [[kv_compression_stats of each rank] after each batch] (plugin methods only)}
 """
@@ -31,8 +33,9 @@ if __name__ == "__main__":  # vLLM spawns its engine core: keep the entry point 
     start_s = time.monotonic() - start
     params = SamplingParams(temperature=0.0, max_tokens=request.get("max_tokens", 16), logprobs=5)
     rank_backends = llm.collective_rpc("kv_compression_backends")
+    rank_runners = llm.collective_rpc("kv_compression_runner")
     result = {"backends": rank_backends[0], "rank_backends": rank_backends, "start_s": start_s,
-              "runner": llm.collective_rpc("kv_compression_runner")[0], "batches": []}
+              "runner": rank_runners[0], "rank_runners": rank_runners, "batches": []}
     for prompts in request["batches"]:
         outputs = llm.generate(prompts, params, use_tqdm=False)
         if request.get("attention_backend"):

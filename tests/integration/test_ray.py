@@ -94,6 +94,8 @@ def test_offline_over_ray_equals_default_and_each_rank_compresses(
     assert len(test["rank_backends"]) == TP
     for backends in test["rank_backends"]:
         assert backends and set(backends.values()) == {method.upper()}
+    for runner in test["rank_runners"]:  # Model Runner V1 in every Ray worker
+        assert runner["v1"] and runner["use_v2_model_runner"] is False, runner
     assert_greedy_close(default_over_ray["batches"][0], test["batches"][0],
                         names=("default over Ray", f"{method} over Ray"))
     for rank, stats in enumerate(test["rank_stats"][0]):
