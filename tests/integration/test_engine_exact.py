@@ -15,12 +15,15 @@ def test_offline_shadowkv_is_used_and_matches_default_backend(tiny_model, tmp_pa
         "engine_kwargs": {"max_model_len": 4096, "max_num_batched_tokens": 512},
     }
     ref = generate_in_fresh_process({**common, "attention_backend": None}, _dir(tmp_path, "ref"))
+    # --kv-offloading-size (GiB, split over the workers) sizes the host store in the engine.
     test = generate_in_fresh_process(
-        {**common, "attention_backend": "shadowkv"}, _dir(tmp_path, "shadowkv")
-    )
+        {**common, "attention_backend": "shadowkv",
+         "engine_kwargs": {**common["engine_kwargs"], "kv_offloading_size": 0.5}},
+        _dir(tmp_path, "shadowkv"))
     assert set(ref["backends"].values()) == {"CPU_ATTN"}
     assert len(test["backends"]) == 4 and set(test["backends"].values()) == {"SHADOWKV"}
     assert test["runner"]["v1"] and test["runner"]["use_v2_model_runner"] is False
+    assert test["stats"][0]["store"]["capacity_bytes"] == 1 << 29
     for ref_batch, test_batch in zip(ref["batches"], test["batches"]):
         assert_greedy_close(ref_batch, test_batch, names=("default", "shadowkv"))
     # Same prompt, same engine, another batch: the cache pages of batch 1 did not leak in.

@@ -48,7 +48,11 @@ def select_method(vllm_config) -> str | None:
 
 def validate_engine(vllm_config, method: str) -> Stamp:
     """Parse and check everything, resolve the settings against the model, and write the stamp
-    the engine processes read."""
+    the engine processes read. A config that already carries a stamp (vLLM checks its config
+    again in the engine core) keeps it: the front end consumed --kv-offloading-size."""
+    stamp = stamp_of(vllm_config)
+    if stamp is not None:
+        return stamp
     cls = method_class(method)
     settings = parse_settings(cls.settings_cls,
                               settings_block(vllm_config.additional_config, method))
