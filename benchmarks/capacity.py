@@ -104,9 +104,9 @@ def engine_capacity(model: str, backend: str, max_model_len: int, settings: dict
     if backend == "shadowkv":
         layout = spec.layout
         store_bytes = layout.store_bytes(max_model_len)
-        store_capacity = spec.the_stamp.store_bytes
+        store_capacity = spec.stamp.store_bytes
         result["shadowkv"] = {
-            "settings": spec.the_stamp.settings.as_dict(),
+            "settings": spec.stamp.settings.as_dict(),
             # a compressed token: A row + landmark share
             "slot_bytes_per_layer": layout.page_bytes // layout.block_size,
             "exact_token_bytes_per_layer": layout.exact_token_bytes,

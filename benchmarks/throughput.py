@@ -75,7 +75,7 @@ def largest_batch(backend: str, spec, num_blocks: int, context: int, gen: int) -
     peak = max(layout.peak_blocks(context), steady)
     batch = 0 if usable < peak else 1 + (usable - peak) // steady
     store_bytes = layout.store_bytes(context)
-    store_capacity = spec.the_stamp.store_bytes
+    store_capacity = spec.stamp.store_bytes
     store_cap = store_capacity // store_bytes if store_bytes else batch
     return {"batch": min(batch, store_cap), "blocks_per_request": steady, "peak_blocks": peak,
             "usable_blocks": usable, "store_bound": store_cap,

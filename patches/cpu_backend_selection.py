@@ -33,7 +33,8 @@ def apply() -> None:
         )
         if reasons:
             raise ValueError(
-                f"The vllm-shadowkv attention backend cannot serve this layer: {'; '.join(reasons)} "
+                "The vllm-shadowkv attention backend cannot serve this layer: "
+                f"{'; '.join(reasons)} "
                 f"({attn_selector_config!r})"
             )
         return BACKEND_CLASS_PATH

@@ -112,7 +112,7 @@ def stamp_of(vllm_config) -> Stamp | None:
     return Stamp.from_json(raw) if raw else None
 
 
-def store_bytes(settings: EngineSettings, cache_config, world_size: int) -> tuple[int, str]:
+def store_capacity(settings: EngineSettings, cache_config, world_size: int) -> tuple[int, str]:
     """The host store per worker and where its size came from (for messages)."""
     if settings.value_store_gib is not None:
         return int(settings.value_store_gib * GiB), f"{settings.key}.value_store_gib"

@@ -3,8 +3,8 @@
 Workers write a snapshot of their counters when they change, at most once per engine step
 (``WorkerState.report``), into a directory the plugin creates in the front-end process and
 names in ``SHADOWKV_STATS_DIR`` (engine processes inherit it; vLLM's Ray executor copies it to
-its workers, on the same node). A collector in the server process sums the snapshots when ``/metrics`` is
-scraped.
+its workers, on the same node). A collector in the server process sums the snapshots when
+``/metrics`` is scraped.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 import pytest
 
-from vllm_shadowkv.config import Stamp, parse_settings, settings_block, store_bytes
+from vllm_shadowkv.config import Stamp, parse_settings, settings_block, store_capacity
 from vllm_shadowkv.methods import METHODS, NAMES, PLANNED, method_class
 from vllm_shadowkv.methods.base import KVShapes, SettingsError
 from vllm_shadowkv.methods.shadowkv import ShadowKVSettings
@@ -74,10 +74,11 @@ def test_store_size_comes_from_kv_offloading_size_split_per_worker():
     from types import SimpleNamespace
 
     cache = SimpleNamespace(kv_offloading_size=8.0)
-    assert store_bytes(ShadowKVSettings(), cache, 4) == (2 << 30, "--kv-offloading-size")
+    assert store_capacity(ShadowKVSettings(), cache, 4) == (2 << 30, "--kv-offloading-size")
     override = ShadowKVSettings(value_store_gib=1.0)
-    assert store_bytes(override, cache, 4) == (1 << 30, "shadowkv.value_store_gib")
-    assert store_bytes(ShadowKVSettings(), SimpleNamespace(kv_offloading_size=None), 1)[0] == 16 << 30
+    assert store_capacity(override, cache, 4) == (1 << 30, "shadowkv.value_store_gib")
+    unset = SimpleNamespace(kv_offloading_size=None)
+    assert store_capacity(ShadowKVSettings(), unset, 1)[0] == 16 << 30
 
 
 def test_stamp_round_trips_through_json():

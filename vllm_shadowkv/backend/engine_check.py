@@ -11,7 +11,7 @@ from vllm.logger import init_logger
 
 from vllm_shadowkv.backend.layout import PageLayout
 from vllm_shadowkv.config import (STAMP_KEY, Stamp, human_bytes, parse_settings, settings_block,
-                                  stamp_of, store_bytes)
+                                  stamp_of, store_capacity)
 from vllm_shadowkv.methods import method_class
 from vllm_shadowkv.methods.base import KVShapes, SettingsError
 
@@ -80,7 +80,7 @@ def validate_engine(vllm_config, method: str) -> Stamp:
     settings = settings.resolved(shapes)
     world = parallel.tensor_parallel_size * parallel.pipeline_parallel_size
     check_kv_offloading(vllm_config, method)
-    store, source = store_bytes(settings, cache_config, world)
+    store, source = store_capacity(settings, cache_config, world)
     stamp = Stamp(method, settings, store)
     check_store_fits(PageLayout(stamp.build(shapes)), store, source, method)
     if cache_config.kv_offloading_size is not None and settings.value_store_gib is None:
@@ -131,9 +131,10 @@ def check_kv_offloading(vllm_config, method: str) -> None:
             f"connector ({transfer.kv_connector}); remove --kv-transfer-config (to size the "
             "host store, use --kv-offloading-size or the method's value_store_gib)")
     cache_config = vllm_config.cache_config
-    if cache_config.kv_offloading_size is not None and cache_config.kv_offloading_backend != "native":
+    backend = cache_config.kv_offloading_backend
+    if cache_config.kv_offloading_size is not None and backend != "native":
         raise SettingsError(
-            f"--kv-offloading-backend {cache_config.kv_offloading_backend} cannot share the "
+            f"--kv-offloading-backend {backend} cannot share the "
             f"{method} host store; use the default 'native' (--kv-offloading-size then sizes "
             "the host store) or another attention backend")
 
@@ -173,7 +174,8 @@ def check_model(model_config, method: str, needs_rope: bool) -> None:
             "backend serves decoder-only models"
         )
     layer_types = list(getattr(text, "layer_types", None) or [])
-    for kind, label in (("sliding_attention", "sliding-window"), ("chunked_attention", "chunked-local")):
+    for kind, label in (("sliding_attention", "sliding-window"),
+                        ("chunked_attention", "chunked-local")):
         layers = [i for i, t in enumerate(layer_types) if t == kind]
         if layers:
             raise SettingsError(

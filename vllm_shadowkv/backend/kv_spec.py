@@ -25,8 +25,7 @@ from vllm_shadowkv.methods.base import KVShapes, SettingsError
 
 @dataclass(frozen=True, kw_only=True)
 class CompressedKVSpec(FullAttentionSpec):
-    method: str = ""
-    stamp: tuple = ()  # the front end's Stamp as sorted JSON items (hashable)
+    stamp: Stamp | None = None  # the front end's decision (frozen, hashable, picklable)
     max_model_len: int = 0
     num_layers: int = 0  # attention layers on this worker
 
@@ -39,9 +38,8 @@ class CompressedKVSpec(FullAttentionSpec):
         return cls(block_size=spec.block_size, num_kv_heads=spec.num_kv_heads,
                    head_size=spec.head_size, head_size_v=spec.head_size_v, dtype=spec.dtype,
                    kv_quant_mode=spec.kv_quant_mode, num_head_slots=1,
-                   state_content_bytes=token_bytes, method=stamp.method,
-                   stamp=_freeze(stamp.to_json()), max_model_len=max_model_len,
-                   num_layers=num_layers)
+                   state_content_bytes=token_bytes, stamp=stamp,
+                   max_model_len=max_model_len, num_layers=num_layers)
 
     @property
     def shapes(self) -> KVShapes:
@@ -49,12 +47,8 @@ class CompressedKVSpec(FullAttentionSpec):
                         self.num_layers, self.max_model_len)
 
     @property
-    def the_stamp(self) -> Stamp:
-        return Stamp.from_json(_thaw(self.stamp))
-
-    @property
     def layout(self) -> PageLayout:
-        return PageLayout(self.the_stamp.build(self.shapes))
+        return PageLayout(self.stamp.build(self.shapes))
 
     def max_memory_usage_bytes(self, vllm_config) -> int:
         # A request's steady footprint: what decides how many fit (vLLM's max concurrency).
@@ -71,14 +65,6 @@ class CompressedKVSpec(FullAttentionSpec):
         return specs[0]
 
 
-def _freeze(raw: dict) -> tuple:
-    return tuple(sorted((k, _freeze(v) if isinstance(v, dict) else v) for k, v in raw.items()))
-
-
-def _thaw(items: tuple) -> dict:
-    return {k: _thaw(v) if isinstance(v, tuple) else v for k, v in items}
-
-
 class CompressedKVManager(FullAttentionManager):
     supports_fine_grained_hash_lookup = False
 
@@ -87,7 +73,7 @@ class CompressedKVManager(FullAttentionManager):
         spec = (kv_cache_spec.first_spec if isinstance(kv_cache_spec, UniformTypeKVCacheSpecs)
                 else kv_cache_spec)
         self.layout = spec.layout
-        stamp = spec.the_stamp
+        stamp = spec.stamp
         self.max_staging = stamp.settings.max_staging_requests
         self.store_capacity = stamp.store_bytes
         self.store_used = 0

@@ -21,6 +21,7 @@ the method alone, so nothing but vLLM's block table has to travel between them.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -42,7 +43,7 @@ class PageLayout:
     def block_size(self) -> int:
         return self.shapes.block_size
 
-    @property
+    @cached_property  # read for every exact token slot: the hot path of the metadata builder
     def page_bytes(self) -> int:
         """The smallest page of any layer: what the shared block counts are computed for."""
         return self.block_size * min(self.method.token_bytes(layer)
@@ -52,7 +53,7 @@ class PageLayout:
     def exact_token_bytes(self) -> int:
         return 2 * self.shapes.key_width * self.shapes.elem_bytes
 
-    @property
+    @cached_property
     def exact_per_page(self) -> int:
         return self.page_bytes // self.exact_token_bytes
 

@@ -196,18 +196,19 @@ class KVMethod(ABC):
         ``LayerContext.store``. Rows of other shapes: ``LayerContext.store_for(shape)``."""
 
     # -- worker hooks ---------------------------------------------------------------------------
-    def prefill_chunk(self, layer: LayerContext, req: RequestRows, query: torch.Tensor, key: torch.Tensor,
-                      value: torch.Tensor) -> None:
+    def prefill_chunk(self, layer: LayerContext, req: RequestRows, query: torch.Tensor,
+                      key: torch.Tensor, value: torch.Tensor) -> None:
         """A prefill step of a request that will be compressed, after its exact attention."""
 
     @abstractmethod
-    def finalize(self, layer: LayerContext, req: RequestRows, keys: torch.Tensor, values: torch.Tensor) -> None:
+    def finalize(self, layer: LayerContext, req: RequestRows, keys: torch.Tensor,
+                 values: torch.Tensor) -> None:
         """The step that completed the prompt: ``keys``/``values`` ``[prompt_len, h_kv, d]``
         (post-RoPE, read from the staging pages) go into the method's region and the store."""
 
     @abstractmethod
-    def decode(self, layer: LayerContext, reqs: list[RequestRows], query: torch.Tensor, key: torch.Tensor,
-               value: torch.Tensor, out: torch.Tensor) -> None:
+    def decode(self, layer: LayerContext, reqs: list[RequestRows], query: torch.Tensor,
+               key: torch.Tensor, value: torch.Tensor, out: torch.Tensor) -> None:
         """Attention for compressed requests in decode: ``query``/``out`` ``[n, Hq, d]`` and
         ``key``/``value`` ``[n, Hkv, d]`` hold the whole batch; ``reqs`` says which rows are
         whose. This step's K/V are already in the generated-token pages."""

@@ -31,7 +31,7 @@ class ShadowKVSettings(EngineSettings):
     """Tokens selected per KV head at each decode step (top sparse_budget/chunk_size chunks);
     outliers, the local window and generated tokens come on top of it."""
     outlier_chunks: int = 48
-    """Chunks per KV head with the lowest within-chunk cosine similarity, always attended exactly."""
+    """Chunks per KV head with the lowest within-chunk cosine similarity, attended exactly."""
     local_window: int = 32
     """Last prompt tokens always attended exactly."""
     selection: str = "landmarks"
