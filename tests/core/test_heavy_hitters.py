@@ -1,0 +1,75 @@
+"""H2O column sums across prefill chunks, heavy-hitter selection per KV head, and the pyramid
+layer budgets (core/heavy_hitters.py). Fresh random inputs each test."""
+
+import pytest
+import torch
+
+from vllm_shadowkv.core import heavy_hitters
+from vllm_shadowkv.core.heavy_hitters import (accumulate_column_sums, layer_budgets,
+                                              select_heavy_hitters)
+
+
+def dense_column_sums(q, k, scale):
+    """The whole causal softmax map, summed over query rows and the query heads of each KV
+    head: q [L, h_q, d], k [L, h_kv, d] -> [h_kv, L]."""
+    length, h_q, _ = q.shape
+    h_kv = k.shape[1]
+    k_heads = k.float().repeat_interleave(h_q // h_kv, dim=1)
+    logits = torch.einsum("ihd,jhd->hij", q.float(), k_heads) * scale
+    causal = torch.ones(length, length, dtype=torch.bool).tril()
+    probs = torch.softmax(logits.masked_fill(~causal, float("-inf")), dim=-1)
+    return probs.sum(dim=1).view(h_kv, h_q // h_kv, length).sum(dim=1)
+
+
+@pytest.mark.parametrize("gqa", [1, 4, 8])
+@pytest.mark.parametrize("chunks", [[97], [37, 1, 59], [64, 33]])
+def test_chunked_column_sums_equal_one_pass(gqa, chunks, monkeypatch):
+    # Small tiles, so that queries and keys are both split within a chunk.
+    monkeypatch.setattr(heavy_hitters, "QUERY_BLOCK", 16)
+    monkeypatch.setattr(heavy_hitters, "KEY_BLOCK", 24)
+    h_kv, head_dim, length = 2, 64, sum(chunks)
+    q = torch.randn(length, h_kv * gqa, head_dim).to(torch.bfloat16)
+    k = torch.randn(length, h_kv, head_dim).to(torch.bfloat16)
+    scale = head_dim ** -0.5
+    col_sums, start = None, 0
+    for n in chunks:
+        col_sums = accumulate_column_sums(col_sums, q[start:start + n], k[:start + n], scale)
+        start += n
+        assert col_sums.shape == (h_kv, start) and col_sums.dtype == torch.float32
+    want = dense_column_sums(q, k, scale)
+    torch.testing.assert_close(col_sums, want, atol=1e-4, rtol=1e-4)
+    # Every query row's probabilities sum to 1.
+    torch.testing.assert_close(col_sums.sum(dim=-1), torch.full((h_kv,), length * gqa * 1.0))
+
+
+def test_selection_per_kv_head_from_group_sums():
+    h_kv, gqa, length, heavy, recent = 3, 4, 80, 10, 6
+    q = torch.randn(length, h_kv * gqa, 32) * 3
+    k = torch.randn(length, h_kv, 32)
+    col_sums = accumulate_column_sums(None, q, k, 32 ** -0.5)
+    kept = select_heavy_hitters(col_sums, length, heavy, recent)
+    assert kept.shape == (h_kv, heavy + recent)
+    for h in range(h_kv):
+        row = kept[h]
+        assert torch.equal(row, row.sort().values) and len(set(row.tolist())) == heavy + recent
+        assert torch.equal(row[heavy:], torch.arange(length - recent, length))
+        best = torch.topk(col_sums[h, :length - recent], heavy).values
+        torch.testing.assert_close(col_sums[h, row[:heavy]].sort().values, best.sort().values)
+    assert not all(torch.equal(kept[0], kept[h]) for h in range(1, h_kv))  # heads differ
+
+
+def test_selection_keeps_everything_when_the_budget_covers_the_prompt():
+    col_sums = torch.rand(2, 12)
+    kept = select_heavy_hitters(col_sums, 10, 6, 4)
+    assert torch.equal(kept, torch.arange(10).expand(2, -1))
+
+
+def test_pyramid_budgets():
+    budgets = layer_budgets(32, 0.25)
+    assert len(budgets) == 32 and sum(budgets) / 32 == pytest.approx(0.25)
+    assert all(a > b for a, b in zip(budgets, budgets[1:]))  # layer 0 largest
+    # MiniKV spec §5: 2x - x/7 at layer 0, x/7 at the last, 46.43 / 35.37 % at layers 0 / 8.
+    assert budgets[0] == pytest.approx(0.5 - 0.25 / 7) and budgets[-1] == pytest.approx(0.25 / 7)
+    assert budgets[8] == pytest.approx(0.3537, abs=1e-4)
+    assert layer_budgets(5, 0.1, policy="uniform") == [0.1] * 5
+    assert layer_budgets(1, 0.3) == [0.3]

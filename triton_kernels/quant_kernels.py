@@ -1,0 +1,149 @@
+"""Triton attention over KIVI-quantized token groups: unpack, dequantize, QK^T, online softmax
+and PV fused, so the dequantized cache never reaches memory.
+
+Reference and signature: vllm_shadowkv.core.quant_attention.quant_attention; layouts in
+vllm_shadowkv.core.kivi. One program per (request, KV head, block of query rows, split of the
+group table): its rows are all the GQA group's query heads times the query tokens, so each
+group's K/V is read once per KV head and never expanded. Splits (flash-decoding) keep the GPU
+busy at small batch; their partial results are merged by LSE.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from vllm_shadowkv.core.attention import merge_attention
+from vllm_shadowkv.core.kivi import KiviFormat, QuantizedGroups
+
+_MIN_DOT = 16  # tl.dot needs every dimension >= 16
+_MAX_ROWS = 64  # query rows per program
+
+
+@triton.jit
+def _dequant_tile(codes_ptr, scale_ptr, zero_ptr, offs_t, offs_d, mask,
+                  s_t, s_w, s_pt, s_pd, PARAM_PER_TOKEN: tl.constexpr,
+                  PARAM_CHANNELS: tl.constexpr, BITS: tl.constexpr):
+    # [tokens, channels] fp32 tile of one token group of one KV head. Channel c's code is at
+    # word c // per_word, bits (c % per_word) * BITS. Keys have one scale/zero per channel;
+    # values one per (token, channel group). Scale and zero share their strides (s_pt, s_pd).
+    per_word: tl.constexpr = 32 // BITS
+    words = tl.load(codes_ptr + offs_t[:, None] * s_t + (offs_d // per_word)[None, :] * s_w,
+                    mask=mask, other=0)
+    codes = (words >> ((offs_d % per_word) * BITS)[None, :]) & ((1 << BITS) - 1)
+    param = (offs_d // PARAM_CHANNELS)[None, :] * s_pd
+    if PARAM_PER_TOKEN:
+        param = param + offs_t[:, None] * s_pt
+    scale = tl.load(scale_ptr + param, mask=mask, other=0.0).to(tl.float32)
+    zero = tl.load(zero_ptr + param, mask=mask, other=0.0).to(tl.float32)
+    return codes.to(tl.float32) * scale + zero
+
+
+@triton.jit
+def _quant_attention_kernel(
+    q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, table_ptr, count_ptr,
+    out_ptr, lse_ptr,
+    s_qb, s_qs, s_qh, s_qd,
+    s_kcn, s_kch, s_kct, s_kcw, s_kpn, s_kph, s_kpd,
+    s_vcn, s_vch, s_vct, s_vcw, s_vpn, s_vph, s_vpt, s_vpd,
+    s_tb, s_tj, groups_per_split, scale,
+    H_KV: tl.constexpr, GROUP: tl.constexpr, S_Q: tl.constexpr, HEAD_DIM: tl.constexpr,
+    TOKENS: tl.constexpr, VALUE_GROUP: tl.constexpr, BITS: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    pid_bh = tl.program_id(0)
+    row_blk = tl.program_id(1)
+    split = tl.program_id(2)
+    n_splits = tl.num_programs(2)
+    b = pid_bh // H_KV
+    h = pid_bh % H_KV
+    rows: tl.constexpr = GROUP * S_Q
+    offs_r = row_blk * BLOCK_R + tl.arange(0, BLOCK_R)  # row r = query head (r // S_Q), token
+    r_mask = offs_r < rows
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    offs_t = tl.arange(0, BLOCK_T)
+    t_mask = offs_t < TOKENS
+    tile_mask = t_mask[:, None] & d_mask[None, :]
+
+    head = h * GROUP + offs_r // S_Q
+    q = tl.load(q_ptr + b * s_qb + (offs_r % S_Q)[:, None] * s_qs + head[:, None] * s_qh
+                + offs_d[None, :] * s_qd, mask=r_mask[:, None] & d_mask[None, :],
+                other=0.0).to(tl.float32)
+    precision: tl.constexpr = "ieee" if IEEE else "tf32"
+
+    m_i = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_R], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
+    count = tl.load(count_ptr + b)
+    first = split * groups_per_split
+    last = tl.minimum(first + groups_per_split, count)
+    for j in range(first, last):
+        gid = tl.load(table_ptr + b * s_tb + j * s_tj).to(tl.int64)
+        k_param = gid * s_kpn + h * s_kph
+        k = _dequant_tile(kc_ptr + gid * s_kcn + h * s_kch, ks_ptr + k_param, kz_ptr + k_param,
+                          offs_t, offs_d, tile_mask, s_kct, s_kcw, 0, s_kpd, False, 1, BITS)
+        logits = tl.dot(q, tl.trans(k), input_precision=precision) * scale  # [R, T]
+        logits = tl.where(t_mask[None, :], logits, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(logits, axis=1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(logits - m_new[:, None])
+        v_param = gid * s_vpn + h * s_vph
+        v = _dequant_tile(vc_ptr + gid * s_vcn + h * s_vch, vs_ptr + v_param, vz_ptr + v_param,
+                          offs_t, offs_d, tile_mask, s_vct, s_vcw, s_vpt, s_vpd, True,
+                          VALUE_GROUP, BITS)
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=precision)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        m_i = m_new
+
+    # Partial results [B, h_kv, n_splits, rows, d]; an empty split gives out 0, lse -inf.
+    l_safe = tl.maximum(l_i, 1e-30)
+    out = acc / l_safe[:, None]
+    lse = tl.where(l_i > 0.0, m_i + tl.log(l_safe), float("-inf"))
+    slot = (pid_bh * n_splits + split).to(tl.int64) * rows + offs_r
+    tl.store(out_ptr + slot[:, None] * HEAD_DIM + offs_d[None, :], out,
+             mask=r_mask[:, None] & d_mask[None, :])
+    tl.store(lse_ptr + slot, lse, mask=r_mask)
+
+
+def _num_splits(batch_heads: int, max_groups: int, device: torch.device) -> int:
+    """Enough programs to fill the device twice over, at least one group per split."""
+    target = 2 * torch.cuda.get_device_properties(device).multi_processor_count \
+        if device.type == "cuda" else 8
+    return max(1, min(max_groups, triton.cdiv(target, batch_heads)))
+
+
+def quant_attention(q, groups, group_table, group_count, fmt: KiviFormat, scale):
+    batch, s_q, h_q, head_dim = q.shape
+    kc, ks, kz, vc, vs, vz = groups
+    n_pool, h_kv, tokens, words = kc.shape
+    assert isinstance(groups, QuantizedGroups) and h_q % h_kv == 0
+    assert head_dim == fmt.head_dim and tokens == fmt.group and words == fmt.words_per_token
+    assert ks.shape == kz.shape == (n_pool, h_kv, head_dim) and vc.shape == kc.shape
+    assert vs.shape == vz.shape == (n_pool, h_kv, tokens, head_dim // fmt.value_group)
+    assert ks.stride() == kz.stride() and vs.stride() == vz.stride()
+    assert group_table.dim() == 2 and group_table.shape[0] == batch
+    assert group_count.shape == (batch,) and group_count.is_contiguous()
+    assert group_table.dtype == group_count.dtype == kc.dtype == vc.dtype == torch.int32
+    assert all(t.device == q.device for t in (*groups, group_table, group_count))
+    group = h_q // h_kv
+    rows = group * s_q
+    max_groups = group_table.shape[1]
+    n_splits = _num_splits(batch * h_kv, max_groups, q.device)
+    block_r = max(_MIN_DOT, min(_MAX_ROWS, triton.next_power_of_2(rows)))
+    part_out = torch.empty(batch, h_kv, n_splits, rows, head_dim, dtype=torch.float32,
+                           device=q.device)
+    part_lse = torch.empty(batch, h_kv, n_splits, rows, dtype=torch.float32, device=q.device)
+    grid = (batch * h_kv, triton.cdiv(rows, block_r), n_splits)
+    _quant_attention_kernel[grid](
+        q, kc, ks, kz, vc, vs, vz, group_table, group_count, part_out, part_lse,
+        *q.stride(), *kc.stride(), *ks.stride(), *vc.stride(), *vs.stride(),
+        *group_table.stride(), triton.cdiv(max_groups, n_splits), scale,
+        H_KV=h_kv, GROUP=group, S_Q=s_q, HEAD_DIM=head_dim, TOKENS=tokens,
+        VALUE_GROUP=fmt.value_group, BITS=fmt.bits, IEEE=q.dtype == torch.float32,
+        BLOCK_R=block_r, BLOCK_T=max(_MIN_DOT, triton.next_power_of_2(tokens)),
+        BLOCK_D=max(_MIN_DOT, triton.next_power_of_2(head_dim)))
+    out, lse = merge_attention(list(part_out.unbind(2)), list(part_lse.unbind(2)))
+    # [B, h_kv, group, s_q, ...] -> [B, s_q, h_q, ...]
+    out = out.view(batch, h_kv, group, s_q, head_dim).permute(0, 3, 1, 2, 4)
+    lse = lse.view(batch, h_kv, group, s_q).permute(0, 3, 1, 2)
+    return out.reshape(batch, s_q, h_q, head_dim).to(q.dtype), lse.reshape(batch, s_q, h_q)

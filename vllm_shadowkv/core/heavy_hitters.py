@@ -1,0 +1,92 @@
+"""H2O heavy hitters for MiniKV: cumulative attention per key, selection, per-layer budgets.
+
+The score of key j is the attention the prompt's queries pay it, summed over query rows (H2O
+column sums): sum_i exp(q_i . k_j * scale - LSE_i) under the causal mask, normalised per row
+(MiniKV spec §10.1). Under GQA each KV head sums the scores of its group's query heads and
+selects for itself, so K/V are never expanded to query heads (spec §10.3).
+
+Chunked prefill: each chunk adds its queries' contributions to every key so far, so summing
+chunk by chunk equals one whole-prompt pass. Logits are taken in tiles of QUERY_BLOCK x
+KEY_BLOCK, twice (the row LSE first, then the normalised column sums), so the [n, L] map of a
+long prompt is never materialised.
+"""
+
+import torch
+
+QUERY_BLOCK = 256
+KEY_BLOCK = 2048
+PYRAMID_DEPTH = 7
+
+
+def _tiles(qg: torch.Tensor, k: torch.Tensor, q_start: int, scale: float):
+    """Yield (key offset, causally masked logits [h_kv, G, n', c]) over the keys up to the
+    block's last query. qg [h_kv, G, n', d] fp32, queries at positions [q_start, q_start + n')."""
+    q_pos = torch.arange(q_start, q_start + qg.shape[2], device=k.device)
+    for j0 in range(0, q_start + qg.shape[2], KEY_BLOCK):
+        kb = k[j0:j0 + KEY_BLOCK].float().permute(1, 2, 0)  # [h_kv, d, c]
+        logits = torch.matmul(qg, kb.unsqueeze(1)) * scale
+        causal = torch.arange(j0, j0 + kb.shape[-1], device=k.device) <= q_pos.view(-1, 1)
+        yield j0, logits.masked_fill(~causal, float("-inf"))
+
+
+def accumulate_column_sums(
+    col_sums: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Add one prefill chunk's column sums.
+
+    col_sums [h_kv, start] fp32 from the earlier chunks (None for the first); q [n, h_q, d] the
+    chunk's queries at positions [start, start + n); k [start + n, h_kv, d] all keys so far.
+    -> [h_kv, start + n] fp32.
+    """
+    n, h_q, head_dim = q.shape
+    length, h_kv, _ = k.shape
+    start = length - n
+    total = torch.zeros(h_kv, length, dtype=torch.float32, device=q.device)
+    if col_sums is not None:
+        assert col_sums.shape == (h_kv, start)
+        total[:, :start] = col_sums
+    for i0 in range(0, n, QUERY_BLOCK):
+        qb = q[i0:i0 + QUERY_BLOCK].float()
+        qg = qb.reshape(-1, h_kv, h_q // h_kv, head_dim).permute(1, 2, 0, 3)  # [h_kv, G, n', d]
+        lse = torch.stack([torch.logsumexp(logits, dim=-1)
+                           for _, logits in _tiles(qg, k, start + i0, scale)]).logsumexp(dim=0)
+        for j0, logits in _tiles(qg, k, start + i0, scale):
+            probs = torch.exp(logits - lse.unsqueeze(-1))  # [h_kv, G, n', c]
+            total[:, j0:j0 + probs.shape[-1]] += probs.sum(dim=(1, 2))
+    return total
+
+
+def select_heavy_hitters(
+    col_sums: torch.Tensor, prompt_len: int, heavy: int, recent: int
+) -> torch.Tensor:
+    """Kept prompt positions per KV head, [h_kv, heavy + recent] int64, ascending.
+
+    col_sums [h_kv, >= prompt_len]. The recent window is the last `recent` tokens; the heavy
+    hitters are the top-`heavy` column sums among the tokens before it. When heavy + recent
+    covers the prompt every token is kept ([h_kv, prompt_len]).
+    """
+    h_kv = col_sums.shape[0]
+    device = col_sums.device
+    if heavy + recent >= prompt_len:
+        return torch.arange(prompt_len, device=device).expand(h_kv, -1).clone()
+    before = prompt_len - recent
+    top = torch.topk(col_sums[:, :before], heavy, dim=-1).indices
+    window = torch.arange(before, prompt_len, device=device).expand(h_kv, -1)
+    return torch.cat([top.sort(dim=-1).values, window], dim=-1)
+
+
+def layer_budgets(
+    num_layers: int, ratio: float, policy: str = "pyramid", depth: int = PYRAMID_DEPTH
+) -> list[float]:
+    """Per-layer heavy-hitter budgets (fractions of the prompt) whose mean is `ratio`.
+
+    "uniform": ratio everywhere. "pyramid" (MiniKV §5, the authors' code and rationale rather
+    than the text): linear in the layer index from 2x - x/depth at layer 0 down to x/depth at
+    the last layer, since lower layers attend more diffusely.
+    """
+    assert policy in ("pyramid", "uniform"), policy
+    if policy == "uniform" or num_layers == 1:
+        return [ratio] * num_layers
+    top, bottom = 2 * ratio - ratio / depth, ratio / depth
+    step = (top - bottom) / (num_layers - 1)
+    return [top - layer * step for layer in range(num_layers)]

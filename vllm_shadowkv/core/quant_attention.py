@@ -1,0 +1,50 @@
+"""Attention over KIVI-quantized token groups, dequantizing one block of groups at a time.
+
+Torch reference of vllm_shadowkv.triton_kernels.quant_kernels.quant_attention (same signature).
+Every query row of a request attends all of its quantized groups (no causal mask among them):
+the 16-bit residual is attended separately and merged by LSE (attention.merge_attention).
+"""
+
+import torch
+
+from .attention import attention_with_lse, merge_attention
+from .kivi import KiviFormat, QuantizedGroups, dequantize_groups
+
+BLOCK_TOKENS = 16384  # dequantized tokens per block, whole batch: bounds the fp32 K/V held
+
+
+def quant_attention(
+    q: torch.Tensor,
+    groups: QuantizedGroups,
+    group_table: torch.Tensor,
+    group_count: torch.Tensor,
+    fmt: KiviFormat,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [B, s_q, h_q, d]; groups: a pool of token groups (kivi.QuantizedGroups, leading dims
+    [n_pool, h_kv]); group_table [B, max_groups] int32 pool ids, request b owns the first
+    group_count[b] [B] int32 entries (the rest are ignored). -> out [B, s_q, h_q, d] (q's
+    dtype), lse [B, s_q, h_q] fp32; a request without groups gets out 0 and lse -inf."""
+    batch, head_dim = q.shape[0], q.shape[-1]
+    assert head_dim == fmt.head_dim and group_table.shape[0] == group_count.shape[0] == batch
+    width = int(group_count.max()) if batch else 0
+    if width == 0:
+        out = torch.zeros_like(q)
+        return out, torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
+    n_pool = groups.key_codes.shape[0]
+    block = max(1, BLOCK_TOKENS // (fmt.group * batch))  # groups per request per block
+    q32 = q.float()
+    outs, lses = [], []
+    for j0 in range(0, width, block):
+        cols = torch.arange(j0, min(j0 + block, width), device=q.device)
+        ids = group_table[:, cols].long().clamp(0, n_pool - 1)  # padding entries may be anything
+        k, v = dequantize_groups(QuantizedGroups(*(t[ids.flatten()] for t in groups)), fmt,
+                                 torch.float32)  # [B * n * G, h_kv, d]
+        k = k.unflatten(0, (batch, -1)).transpose(1, 2)  # [B, h_kv, n * G, d]
+        v = v.unflatten(0, (batch, -1)).transpose(1, 2)
+        valid = (cols < group_count.view(-1, 1)).repeat_interleave(fmt.group, dim=1)
+        out, lse = attention_with_lse(q32, k, v, valid.view(batch, 1, 1, -1), scale)
+        outs.append(out)
+        lses.append(lse)
+    out, lse = merge_attention(outs, lses)
+    return out.to(q.dtype), lse
