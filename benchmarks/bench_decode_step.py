@@ -136,6 +136,7 @@ def bench_kernels_cuda(context, batch_size, rope):
     q = torch.randn(batch_size, 1, H_Q, HEAD_DIM, device=device, dtype=bf16)
     scale = HEAD_DIM ** -0.5
     a = torch.randn(batch_size * n_tok, r, device=device, dtype=bf16)
+    a_rows = torch.arange(batch_size * n_tok, device=device)
     a_pos = torch.arange(n_tok, device=device, dtype=torch.int32).repeat(batch_size)
     a_start = torch.arange(batch_size, device=device, dtype=torch.int32) * n_tok
     b = torch.randn(batch_size, H_KV, r, HEAD_DIM, device=device, dtype=bf16) / math.sqrt(r)
@@ -163,7 +164,7 @@ def bench_kernels_cuda(context, batch_size, rope):
         scores.numel() * 4, device)
     out["select_chunks"]["same_sets_as_torch"] = bool(torch.equal(chosen.sort(-1).values,
                                                                   want.sort(-1).values))
-    args = (a, a_pos, a_start, b, slot_chunks, miss_slots, miss_count, rope)
+    args = (a, a_rows, a_pos, a_start, b, slot_chunks, miss_slots, miss_count, rope)
     rebuild_kernels.rebuild_keys(*args, slot_k)
     ref_k = torch.empty_like(slot_k)
     reconstruct.rebuild_keys(*args, ref_k)

@@ -11,9 +11,10 @@ import triton.language as tl
 
 @triton.jit
 def _rebuild_keys_kernel(
-    a_ptr, a_pos_ptr, a_start_ptr, b_ptr, slot_chunks_ptr, miss_slots_ptr, miss_count_ptr,
+    a_ptr, a_rows_ptr, a_pos_ptr, a_start_ptr, b_ptr, slot_chunks_ptr, miss_slots_ptr,
+    miss_count_ptr,
     cos_sin_ptr, out_ptr,
-    stride_at, stride_ar, stride_ap,
+    stride_at, stride_ar, stride_aw, stride_ap,
     stride_bb, stride_bh, stride_br, stride_bd,
     stride_cb, stride_ch, stride_ck, stride_mb, stride_mh, stride_mk, stride_nb, stride_nh,
     stride_cp, stride_cd, stride_ob, stride_oh, stride_ot, stride_od,
@@ -38,6 +39,7 @@ def _rebuild_keys_kernel(
                     mask=t_mask, other=0)
     row = tl.load(a_start_ptr + b).to(tl.int64) + chunk.to(tl.int64) * CHUNK + j
     pos = tl.load(a_pos_ptr + row * stride_ap, mask=t_mask, other=0).to(tl.int64)
+    a_row = tl.load(a_rows_ptr + row * stride_aw, mask=t_mask, other=0)
 
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_DIM
@@ -63,7 +65,7 @@ def _rebuild_keys_kernel(
     for r0 in tl.static_range(0, RANK, BLOCK_R):
         offs_r = r0 + tl.arange(0, BLOCK_R)
         r_mask = offs_r < RANK
-        a_tile = tl.load(a_ptr + row[:, None] * stride_at + offs_r[None, :] * stride_ar,
+        a_tile = tl.load(a_ptr + a_row[:, None] * stride_at + offs_r[None, :] * stride_ar,
                          mask=t_mask[:, None] & r_mask[None, :], other=0.0).to(tl.float32)
         w_mask = r_mask[:, None] & d_mask[None, :]
         b_tile = tl.load(b_base + offs_r[:, None] * stride_br + offs_d[None, :] * stride_bd,
@@ -84,11 +86,13 @@ def _rebuild_keys_kernel(
              keys.to(out_ptr.dtype.element_ty), mask=t_mask[:, None] & d_mask[None, :])
 
 
-def rebuild_keys(a, a_positions, a_start, b, slot_chunks, miss_slots, miss_count, rope, slot_k):
+def rebuild_keys(a, a_rows, a_positions, a_start, b, slot_chunks, miss_slots, miss_count, rope,
+                 slot_k):
     batch, h_kv, k = slot_chunks.shape
     rank, head_dim = b.shape[2], b.shape[3]
     chunk = slot_k.shape[2] // k
-    assert a.dim() == 2 and a.shape[1] == rank and a_positions.shape == (a.shape[0],)
+    assert a.dim() == 2 and a.shape[1] == rank and a_positions.shape == a_rows.shape
+    assert a_rows.dtype == torch.int64 and a_rows.dim() == 1
     assert b.shape[:2] == (batch, h_kv) and a_start.shape == (batch,)
     assert slot_k.shape == (batch, h_kv, k * chunk, head_dim) and a.dtype == b.dtype
     assert miss_slots.shape == slot_chunks.shape and miss_count.shape == (batch, h_kv)
@@ -99,8 +103,8 @@ def rebuild_keys(a, a_positions, a_start, b, slot_chunks, miss_slots, miss_count
     block_t = 64
     grid = (batch * h_kv, triton.cdiv(k * chunk, block_t))
     _rebuild_keys_kernel[grid](
-        a, a_positions, a_start, b, slot_chunks, miss_slots, miss_count, cos_sin, slot_k,
-        *a.stride(), *a_positions.stride(), *b.stride(), *slot_chunks.stride(),
+        a, a_rows, a_positions, a_start, b, slot_chunks, miss_slots, miss_count, cos_sin, slot_k,
+        *a.stride(), *a_rows.stride(), *a_positions.stride(), *b.stride(), *slot_chunks.stride(),
         *miss_slots.stride(), *miss_count.stride(), *cos_sin.stride(), *slot_k.stride(),
         RANK=rank, H_KV=h_kv, CHUNK=chunk, HEAD_DIM=head_dim, ROT_DIM=rope.rotary_dim,
         NEOX=rope.is_neox_style, IEEE=a.dtype == torch.float32,

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from vllm_shadowkv.core import ops
-from vllm_shadowkv.core.attention import attention_with_lse, merge_attention
+from vllm_shadowkv.core.attention import (attention_with_lse, attention_with_lse_reference,
+                                          merge_attention)
 from core_ragged import compress_prompts
 from vllm_shadowkv.core.decode import DecodeBatch, decode_step
 from vllm_shadowkv.core.params import ShadowKVParams
@@ -39,6 +40,31 @@ def test_merge_of_split_key_sets_is_attention_over_their_union():
     out, lse = merge_attention([p[0] for p in parts] + [empty[0]], [p[1] for p in parts] + [empty[1]])
     torch.testing.assert_close(out, full[0])
     torch.testing.assert_close(lse, full[1])
+
+
+@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("s_q", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_cpu_attention_matches_reference(group, s_q, dtype):
+    """The CPU flash path against the explicit computation: odd widths, non-contiguous K/V,
+    masks of every broadcast shape decode uses, rows with no key at all."""
+    g = torch.Generator().manual_seed(group * 10 + s_q)
+    batch, h_kv, width, d = 3, 2, 37, 24
+    q = torch.randn(batch, s_q, h_kv * group, d, generator=g).to(dtype)
+    k = torch.randn(batch, h_kv, width + 5, d, generator=g).to(dtype)[:, :, :width]
+    v = torch.randn(batch, h_kv, width + 5, d, generator=g).to(dtype)[:, :, :width]
+    lengths = torch.tensor([width, 11, 0])  # the last request has no key
+    visible = torch.arange(width) < lengths.view(-1, 1)
+    masks = [None, visible.view(batch, 1, 1, width),
+             torch.rand(batch, h_kv, 1, width, generator=g) < 0.6,  # per KV head (slots)
+             visible.view(batch, 1, 1, width)
+             & (torch.arange(width) < width - s_q + torch.arange(1, s_q + 1).view(-1, 1))]
+    for mask in masks:
+        out, lse = attention_with_lse(q, k, v, mask, 0.3)
+        ref_out, ref_lse = attention_with_lse_reference(q, k, v, mask, 0.3)
+        tol = {} if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(out, ref_out, **tol)
+        torch.testing.assert_close(lse, ref_lse, **(tol or dict(atol=1e-5, rtol=1e-5)))
 
 
 def _batch_inputs(lengths, h_kv, group, d, seed):

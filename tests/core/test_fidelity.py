@@ -37,8 +37,9 @@ def test_sparse_decode_fidelity(seed):
     assert (batch.slot_chunks[0] == syn.needle_chunk).any(dim=-1).all()
 
     mass = chunk_attention_mass(syn.query, syn.keys, PARAMS.chunk_size, 64 ** -0.5)
-    fid = measure_fidelity(out[0], dense, mass, attended_chunks(prompt, batch.slot_chunks[0],
-                                                                PARAMS), top=8)
+    attended = attended_chunks(prompt.num_tokens, prompt.compressed_tokens, prompt.outliers,
+                               batch.slot_chunks[0], PARAMS.chunk_size)
+    fid = measure_fidelity(out[0], dense, mass, attended, top=8)
     # Recall: the 8 chunks of largest dense mass per head are the needle and the most relevant
     # chunks, whose landmarks score highest by construction; all were attended on seeds 0-4.
     assert fid.chunk_recall >= 0.9

@@ -102,15 +102,18 @@ def test_rebuild_keys(head_dim, dtype, rope_kind, kernel_device):
     rope = default_rope(head_dim, 4096, rotary, neox=conf.get("neox", True))
     rope = RopeCache(rope.cos_sin_cache.to(kernel_device, dtype), rotary, rope.is_neox_style)
     a_counts = [n * c for n in n_chunks]
-    a = torch.randn(rank, sum(a_counts) + 5, device=kernel_device).to(dtype).T  # column-major
-    a_positions = torch.randint(0, 4096, (a.shape[0],), dtype=torch.int32, device=kernel_device)
+    pool = sum(a_counts) + 5
+    # Column-major, and the pool's rows shuffled among more rows of `a` (pages in the engine).
+    a = torch.randn(rank, 2 * pool, device=kernel_device).to(dtype).T
+    a_rows = torch.randperm(2 * pool, device=kernel_device)[:pool]
+    a_positions = torch.randint(0, 4096, (pool,), dtype=torch.int32, device=kernel_device)
     a_start = torch.tensor([0, a_counts[0] + 2, a_counts[0] + a_counts[1] + 5],
                            dtype=torch.int32, device=kernel_device)
     b = torch.randn(batch, h_kv, head_dim, rank, device=kernel_device).to(dtype).transpose(-1, -2)
     slot_chunks, miss_slots, miss_count = _miss_setup(batch, h_kv, k, n_chunks, kernel_device)
     base = torch.randn(batch, k * c, h_kv, head_dim, device=kernel_device).to(dtype).transpose(1, 2)
     got, want = base.clone(), base.clone()
-    args = (a, a_positions, a_start, b, slot_chunks, miss_slots, miss_count, rope)
+    args = (a, a_rows, a_positions, a_start, b, slot_chunks, miss_slots, miss_count, rope)
     rebuild_kernels.rebuild_keys(*args, got)
     reconstruct.rebuild_keys(*args, want)
     torch.testing.assert_close(got, want, **_tol(dtype))

@@ -131,6 +131,73 @@ def test_compress_then_sparse_decode_from_pages(full):
     assert stats.decode_steps == gen and stats.hits > 0  # the slots persisted between steps
 
 
+def test_batched_decode_equals_each_request_alone():
+    """One ``decode`` call for a ragged batch (different prompt lengths and generated counts,
+    one request with two query rows, one finishing mid-way) gives every request exactly what
+    it gets decoded alone in its own pages, and leaves the same page contents behind."""
+    g = torch.Generator().manual_seed(4)
+    h, hq, d, steps = 2, 8, 32, 4
+    prompts = {"a": 600, "b": 1000, "c": 777}
+    layout = make_layout()
+    method, rope = layout.method, _rope()
+    lengths = {r: p + 2 * steps for r, p in prompts.items()}
+    needed = {r: layout.blocks_needed(p, lengths[r]) for r, p in prompts.items()}
+    cache = torch.zeros(sum(needed.values()) + 3, 1, layout.block_size,
+                        layout.page_bytes // layout.block_size // 4)
+    ids = (torch.randperm(len(cache) - 1, generator=g) + 1).split(list(needed.values()) + [2])
+    blocks = dict(zip(prompts, ids))
+    kv = {r: (apply_rope(torch.randn(n, h, d, generator=g), torch.arange(n), rope),
+              torch.randn(n, h, d, generator=g)) for r, n in lengths.items()}
+    for r, p in prompts.items():
+        k, v = kv[r]
+        write_exact(cache, layout, *layout.exact_token_slots(p, blocks[r], torch.arange(p)),
+                    k[:p], v[:p])
+    runs = {}
+    for mode in ("batched", "alone"):
+        pages, store = cache.clone(), InMemoryValueStore()
+        ctx = context(pages, layout, rope, store, RequestStats())
+        for r, p in prompts.items():
+            k, v = kv[r]
+            method.finalize(ctx, RequestRows(r, p, p, 0, 0, blocks[r]), k[:p], v[:p])
+        runs[mode] = (pages, store, ctx, {r: [] for r in prompts})
+    gq = torch.Generator().manual_seed(5)
+    seq = dict(prompts)
+    for step in range(steps):
+        live = [r for r in prompts if not (r == "b" and step >= 2)]  # b finishes after 2 steps
+        rows = {r: 2 if r == "c" else 1 for r in live}
+        q = {r: torch.randn(n, hq, d, generator=gq) for r, n in rows.items()}
+        for mode, (pages, store, ctx, outs) in runs.items():
+            reqs, at = [], 0
+            for r in live:
+                new = seq[r] + rows[r]
+                k, v = kv[r]
+                positions = torch.arange(seq[r], new)
+                write_exact(pages, layout, *layout.exact_token_slots(prompts[r], blocks[r],
+                                                                     positions),
+                            k[positions], v[positions])
+                reqs.append(RequestRows(r, prompts[r], new, at, at + rows[r], blocks[r]))
+                at += rows[r]
+            query = torch.cat([q[r] for r in live])
+            key = torch.cat([kv[r][0][seq[r]: seq[r] + rows[r]] for r in live])
+            value = torch.cat([kv[r][1][seq[r]: seq[r] + rows[r]] for r in live])
+            out = torch.zeros_like(query)
+            groups = [reqs] if mode == "batched" else [[req] for req in reqs]
+            for group in groups:
+                method.decode(ctx, group, query, key, value, out)
+            for req in reqs:
+                outs[req.req_id].append(out[req.start: req.end])
+        if step == 1:
+            method.release("b")
+        for r in live:
+            seq[r] += rows[r]
+    (pages_a, _, _, outs_a), (pages_b, _, _, outs_b) = runs["batched"], runs["alone"]
+    for r in prompts:
+        for got, want in zip(outs_a[r], outs_b[r]):
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert len(outs_a["b"]) == 2 and len(outs_a["c"]) == steps
+    torch.testing.assert_close(pages_a, pages_b, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("q_len, s_len", [(1, 7), (5, 5), (3, 9), (64, 64), (17, 100)])
 def test_causal_attention_matches_masked_sdpa(q_len, s_len):
     """Decode, whole-prompt prefill (is_causal path) and later chunks (explicit mask)."""

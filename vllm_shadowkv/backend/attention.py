@@ -254,6 +254,7 @@ class EngineImpl(AttentionImpl[EngineMetadata]):
 
     def _context(self, layer, kv_cache, layout: PageLayout) -> LayerContext:
         index = self._index_of(layer)
+        STATE.methods.add(layout.method)
         return LayerContext(
             index=index, kv_cache=kv_cache, layout=layout,
             rope=self._rope_of(layer), store=STATE.store(layout.method, index),

@@ -77,6 +77,7 @@ class WorkerState:
     engine: EngineFacts | None = None
     runner_ref: weakref.ref | None = None
     _stores: dict = field(default_factory=dict)  # row shape -> CpuValueStore
+    methods: set = field(default_factory=set)  # the KVMethod of each metadata builder
     # request id -> layers whose prompt is compressed (values in the store)
     compressed: dict[str, set[int]] = field(default_factory=dict)
     requests: dict[str, RequestStats] = field(default_factory=dict)
@@ -132,6 +133,8 @@ class WorkerState:
     def release(self, req_ids: Iterable[str]) -> None:
         """Finished, aborted or preempted: the request's rows leave the host store."""
         for req_id in req_ids:
+            for method in self.methods:
+                method.release(req_id)
             for layer in self.compressed.pop(req_id, ()):
                 for store in self._stores.values():
                     store.free((req_id, layer))

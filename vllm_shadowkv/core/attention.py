@@ -2,12 +2,51 @@
 
 Decode attends several key sets (exact region, selected slots, generated tokens); each is
 attended separately and the results are merged through their LSE, so nothing is concatenated.
+On the CPU, `attention_with_lse` runs torch's fused flash kernel (16-bit inputs, fp32
+accumulation, no score matrix, no copy of K/V per query head); `attention_with_lse_reference`
+is the explicit computation it is tested against and what other devices run.
 """
 
 import torch
 
+_flash_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+
 
 def attention_with_lse(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_mask: torch.Tensor | None,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as `attention_with_lse_reference`."""
+    if q.device.type != "cpu":
+        return attention_with_lse_reference(q, k, v, key_mask, scale)
+    batch, s_q, h_q, head_dim = q.shape
+    h_kv, width = k.shape[1], k.shape[2]
+    group = h_q // h_kv
+    # The group's query heads (and the step's query tokens) become query rows of their KV head.
+    rows = q.reshape(batch, s_q, h_kv, group, head_dim).permute(0, 2, 1, 3, 4)
+    rows = rows.reshape(batch, h_kv, s_q * group, head_dim)
+    dtype = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
+    bias, empty = None, None
+    if key_mask is not None:
+        mask = key_mask.expand(batch, key_mask.shape[1], key_mask.shape[2], width)
+        if mask.shape[2] > 1:  # per query token: one row per (token, query head)
+            mask = mask.repeat_interleave(group, dim=2)
+        bias = torch.zeros(mask.shape, dtype=dtype).masked_fill_(~mask, float("-inf"))
+        empty = ~mask.any(dim=-1)  # [B, h_kv|1, rows|1]
+    out, lse = _flash_cpu(rows.to(dtype), k.to(dtype), v.to(dtype), 0.0, False, attn_mask=bias,
+                          scale=scale)
+    if empty is not None and bool(empty.any()):  # the kernel gives lse 0 to a row with no key
+        lse = lse.masked_fill(empty, float("-inf"))
+        out = out.masked_fill(empty.unsqueeze(-1), 0.0)
+    out = out.view(batch, h_kv, s_q, group, head_dim).permute(0, 2, 1, 3, 4)
+    lse = lse.view(batch, h_kv, s_q, group).permute(0, 2, 1, 3)
+    return out.reshape(batch, s_q, h_q, head_dim).to(q.dtype), lse.reshape(batch, s_q, h_q)
+
+
+def attention_with_lse_reference(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,

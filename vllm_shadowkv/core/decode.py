@@ -50,7 +50,8 @@ class DecodeBatch:
     params: ShadowKVParams
     rope: RopeCache
     store_keys: list[Hashable]
-    a: torch.Tensor  # [TA, r]
+    a: torch.Tensor  # [NA, r] rows of A, any strides (in the engine: the rows of pages)
+    a_rows: torch.Tensor  # [TA] int64 row of `a` holding each pool row
     a_positions: torch.Tensor  # [TA] int32
     a_start: torch.Tensor  # [B] int32
     b: torch.Tensor  # [B, h_kv, r, d]
@@ -85,6 +86,7 @@ class DecodeBatch:
         return cls(
             params=params, rope=rope.to(device), store_keys=list(store_keys),
             a=torch.cat([p.a for p in prompts]),
+            a_rows=torch.arange(sum(a_counts), device=device),
             a_positions=torch.cat([p.a_positions for p in prompts]),
             a_start=_starts(a_counts, device),
             b=torch.stack([p.b for p in prompts]),
@@ -151,8 +153,8 @@ class DecodeBatch:
         # wait for the rebuild. Then, on CUDA, the rebuild runs while the host gathers the
         # values and the copy stream moves them.
         heads, chunks, per_request = self._missed_rows(miss_slots, miss_count)
-        ops.rebuild_keys(self.a, self.a_positions, self.a_start, self.b, self.slot_chunks,
-                         miss_slots, miss_count, self.rope, self.slot_k)
+        ops.rebuild_keys(self.a, self.a_rows, self.a_positions, self.a_start, self.b,
+                         self.slot_chunks, miss_slots, miss_count, self.rope, self.slot_k)
         staging = self._fetch_values(heads, chunks, per_request, store)
         flat = miss_count.flatten()
         staging_start = (flat.cumsum(0) - flat).view_as(miss_count).to(torch.int32)

@@ -7,8 +7,6 @@ from dataclasses import dataclass
 
 import torch
 
-from .compress import CompressedPrompt
-from .params import ShadowKVParams
 
 
 @dataclass(frozen=True)
@@ -32,16 +30,17 @@ def chunk_attention_mass(q: torch.Tensor, keys: torch.Tensor, chunk_size: int,
     return per_chunk.sum(dim=2).amax(dim=1)
 
 
-def attended_chunks(prompt: CompressedPrompt, slot_chunks: torch.Tensor,
-                    params: ShadowKVParams) -> torch.Tensor:
-    """Chunks one request attends exactly: selected (slot_chunks [h_kv, k]), outliers and the
-    local window. -> bool [h_kv, ceil(T / chunk_size)]."""
+def attended_chunks(num_tokens: int, compressed_tokens: int, outliers: torch.Tensor,
+                    slot_chunks: torch.Tensor, chunk_size: int) -> torch.Tensor:
+    """Chunks one request of ``num_tokens`` prompt tokens attends exactly: selected
+    (slot_chunks [h_kv, k]), outliers [h_kv, o] and the local window (the tokens after the
+    ``compressed_tokens``). -> bool [h_kv, ceil(T / chunk_size)]."""
     h_kv = slot_chunks.shape[0]
-    n_chunks = -(-prompt.num_tokens // params.chunk_size)
+    n_chunks = -(-num_tokens // chunk_size)
     mask = torch.zeros(h_kv, n_chunks + 1, dtype=torch.bool, device=slot_chunks.device)
     mask.scatter_(1, torch.where(slot_chunks >= 0, slot_chunks, n_chunks).long(), True)
-    mask.scatter_(1, prompt.outliers.long().to(mask.device), True)
-    mask[:, prompt.compressed_tokens // params.chunk_size:] = True
+    mask.scatter_(1, outliers.long().to(mask.device), True)
+    mask[:, compressed_tokens // chunk_size:] = True
     return mask[:, :n_chunks]
 
 

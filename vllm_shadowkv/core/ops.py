@@ -55,10 +55,11 @@ def select_chunks(scores, landmark_chunks, lm_start, lm_count, k):
     return impl.select_chunks(scores, landmark_chunks, lm_start, lm_count, k)
 
 
-def rebuild_keys(a, a_positions, a_start, b, slot_chunks, miss_slots, miss_count, rope, slot_k):
+def rebuild_keys(a, a_rows, a_positions, a_start, b, slot_chunks, miss_slots, miss_count, rope,
+                 slot_k):
     impl = _kernels("rebuild_kernels") if _use_triton(slot_k) else reconstruct
-    impl.rebuild_keys(a, a_positions, a_start, b, slot_chunks, miss_slots, miss_count, rope,
-                      slot_k)
+    impl.rebuild_keys(a, a_rows, a_positions, a_start, b, slot_chunks, miss_slots, miss_count,
+                      rope, slot_k)
 
 
 def scatter_values(staging, staging_start, miss_slots, miss_count, slot_v):

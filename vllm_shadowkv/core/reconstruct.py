@@ -18,6 +18,7 @@ def _misses(miss_slots: torch.Tensor, miss_count: torch.Tensor, width: int):
 
 def rebuild_keys(
     a: torch.Tensor,
+    a_rows: torch.Tensor,
     a_positions: torch.Tensor,
     a_start: torch.Tensor,
     b: torch.Tensor,
@@ -30,7 +31,8 @@ def rebuild_keys(
     """slot_k[b, h, s*c:(s+1)*c] = RoPE(A[rows of chunk slot_chunks[b, h, s]] @ B[b, h]) for each
     missed slot s.
 
-    a [TA, r] pool, request b's token t at row a_start[b] + t; a_positions [TA] int32; b
+    Request b's token t is pool row a_start[b] + t, held in row a_rows[pool row] of a [NA, r]
+    (any strides: in the engine, rows of pages); a_rows [TA] int64; a_positions [TA] int32; b
     [B, h_kv, r, d]; slot_chunks/miss_slots [B, h_kv, k] int32; miss_count [B, h_kv];
     slot_k [B, h_kv, k*c, d].
     """
@@ -44,7 +46,7 @@ def rebuild_keys(
     offsets = torch.arange(c, device=a.device)
     rows = (a_start.long().view(-1, 1, 1, 1) + chunks.unsqueeze(-1) * c + offsets)  # [B,h,w,c]
     rows = torch.where(valid.unsqueeze(-1), rows, 0).flatten(2)  # [B, h, w*c]
-    keys_pre = torch.matmul(a[rows].float(), b.float())  # [B, h, w*c, d]
+    keys_pre = torch.matmul(a[a_rows[rows]].float(), b.float())  # [B, h, w*c, d]
     keys = apply_rope(keys_pre.reshape(-1, 1, keys_pre.shape[-1]),
                       a_positions[rows.flatten()], rope)
     dest = (slots.unsqueeze(-1) * c + offsets).flatten(2)  # [B, h, w*c]

@@ -212,3 +212,7 @@ class KVMethod(ABC):
         """Attention for compressed requests in decode: ``query``/``out`` ``[n, Hq, d]`` and
         ``key``/``value`` ``[n, Hkv, d]`` hold the whole batch; ``reqs`` says which rows are
         whose. This step's K/V are already in the generated-token pages."""
+
+    def release(self, req_id: str) -> None:
+        """The request finished, was aborted or preempted (its pages and store rows are gone):
+        drop what the method keeps about it on the side (index plans, caches)."""

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import torch
 
-from vllm_shadowkv.backend.exact_attention import causal_attention, read_exact
+from vllm_shadowkv.backend.exact_attention import causal_attention, exact_view
 from vllm_shadowkv.core.compress import compress_prompt
-from vllm_shadowkv.core.decode import DecodeBatch, decode_step
+from vllm_shadowkv.core.decode import decode_step
 from vllm_shadowkv.core.fidelity import attended_chunks, chunk_attention_mass, measure_fidelity
 from vllm_shadowkv.methods.base import KVMethod, KVShapes, LayerContext, RequestRows
-from vllm_shadowkv.methods.shadowkv.pages import ShadowKVPages, SparseState
+from vllm_shadowkv.methods.shadowkv.pages import BatchPlan, RequestPlan, ShadowKVPages
 from vllm_shadowkv.methods.shadowkv.settings import ShadowKVSettings
 from vllm_shadowkv.store import paged_bytes
 
@@ -27,6 +27,8 @@ class ShadowKVMethod(KVMethod):
         super().__init__(settings, shapes)
         self.pages = ShadowKVPages(settings, shapes)
         self.params = settings.params
+        self._plans: dict[str, RequestPlan] = {}
+        self._batch_plans: dict[tuple[str, ...], BatchPlan] = {}
 
     @classmethod
     def covering_settings(cls, key_width: int, context_len: int) -> dict:
@@ -59,60 +61,102 @@ class ShadowKVMethod(KVMethod):
         prompt = compress_prompt(keys, values, positions, layer.rope, self.params, layer.store,
                                  (req.req_id, layer.index))
         region = layer.layout.region_ids(req.prompt_len, req.block_ids)
-        self.pages.write_compressed(layer.kv_cache, region, prompt, keys)
+        self.pages.write_compressed(layer.kv_cache, region, self._plan(layer, req), prompt)
+
+    def release(self, req_id: str) -> None:
+        self._plans.pop(req_id, None)
+        self._batch_plans = {ids: plan for ids, plan in self._batch_plans.items()
+                             if req_id not in ids}
 
     def decode(self, layer: LayerContext, reqs: list[RequestRows], query: torch.Tensor,
                key: torch.Tensor, value: torch.Tensor, out: torch.Tensor) -> None:
-        for req in reqs:
-            rows = slice(req.start, req.end)
-            out[rows] = self._decode_one(layer, req, query[rows], key[rows], value[rows])
+        by_rows: dict[int, list[RequestRows]] = {}
+        for req in reqs:  # one batch per query length (1 in plain decoding)
+            by_rows.setdefault(req.end - req.start, []).append(req)
+        for s_q, group in by_rows.items():
+            self._decode_batch(layer, group, s_q, query, key, value, out)
 
-    def _decode_one(self, layer: LayerContext, req: RequestRows, query, key, value):
-        """query ``[s_q, Hq, d]``; key/value ``[s_q, Hkv, d]`` are this step's tokens (already
-        in the generated-token pages)."""
-        s_q, prompt_len = query.shape[0], req.prompt_len
-        region = layer.layout.region_ids(prompt_len, req.block_ids)
-        state = self.pages.read_state(layer.kv_cache, region, prompt_len)
-        gen_positions = torch.arange(prompt_len, req.seq_len - s_q, device=query.device)
-        gen_k, gen_v = read_exact(layer.kv_cache, layer.layout, prompt_len, req.block_ids,
-                                  gen_positions)
-        store_key = (req.req_id, layer.index)
-        batch = DecodeBatch.build([state.prompt], [store_key], layer.rope, self.params,
-                                  gen_capacity=len(gen_positions) + s_q)
-        batch.slot_chunks, batch.slot_k, batch.slot_v = (
-            state.slot_chunks[None], state.slot_k[None], state.slot_v[None])
-        batch.gen_k[0, :, : len(gen_positions)] = gen_k.transpose(0, 1)
-        batch.gen_v[0, :, : len(gen_positions)] = gen_v.transpose(0, 1)
-        batch.gen_len[0] = len(gen_positions)
-        before = state.slot_chunks
-        out, _ = decode_step(batch, query[None], key[None], value[None], layer.store,
-                             layer.scale)
-        state.slot_chunks, state.slot_k, state.slot_v = (
-            batch.slot_chunks[0], batch.slot_k[0], batch.slot_v[0])
-        self.pages.write_slots(layer.kv_cache, region, prompt_len, state)
+    def _decode_batch(self, layer: LayerContext, reqs: list[RequestRows], s_q: int, query,
+                      key, value, out) -> None:
+        """One sparse step of one layer for every request of ``reqs`` (``s_q`` rows each)."""
+        n = len(reqs)
+        plan = self._batch_plan(layer, reqs)
+        rows = torch.tensor([i for r in reqs for i in range(r.start, r.end)],
+                            device=query.device)
+        gen_k, gen_v, gen_len = self._generated(layer, reqs, s_q)
+        batch, outliers = self.pages.load_batch(layer.kv_cache, plan, layer.rope, gen_k, gen_v,
+                                                gen_len)
+        batch.store_keys = [(r.req_id, layer.index) for r in reqs]
+        before = batch.slot_chunks
+        q, k, v = (t[rows].unflatten(0, (n, s_q)) for t in (query, key, value))
+        result, _ = decode_step(batch, q, k, v, layer.store, layer.scale)
+        out[rows] = result.flatten(0, 1)
+        self.pages.store_slots(layer.kv_cache, plan, batch, before)
 
-        selected = int((state.slot_chunks >= 0).sum())
-        hits = int(((state.slot_chunks == before) & (before >= 0)).sum())
-        stats = layer.stats(req.req_id)
-        stats.decode_steps += 1
-        stats.selected += selected
-        stats.hits += hits
-        stats.bytes_fetched += (selected - hits) * self.settings.chunk_size * \
-            self.shapes.head_size * self.shapes.elem_bytes
-        reference = layer.reference_kv.get(store_key)
-        if reference is not None:
-            self._record_fidelity(layer, state, reference, gen_k, gen_v, query, key, value,
-                                  out[0], stats)
-        return out[0]
+        resident = batch.slot_chunks >= 0
+        selected = resident.sum(dim=(1, 2)).tolist()
+        hits = (resident & (batch.slot_chunks == before)).sum(dim=(1, 2)).tolist()
+        row_bytes = self.settings.chunk_size * self.shapes.head_size * self.shapes.elem_bytes
+        for i, req in enumerate(reqs):
+            stats = layer.stats(req.req_id)
+            stats.decode_steps += 1
+            stats.selected += selected[i]
+            stats.hits += hits[i]
+            stats.bytes_fetched += (selected[i] - hits[i]) * row_bytes
+            reference = layer.reference_kv.get((req.req_id, layer.index))
+            if reference is not None:
+                gen = slice(0, int(batch.gen_len[i]))  # the step's tokens included
+                self._record_fidelity(layer, req, reference, outliers[i],
+                                      batch.slot_chunks[i], batch.gen_k[i, :, gen],
+                                      batch.gen_v[i, :, gen], q[i], result[i], stats)
 
-    def _record_fidelity(self, layer: LayerContext, state: SparseState, reference, gen_k,
-                         gen_v, query, key, value, out, stats, top: int = 8) -> None:
-        """Dense attention over the exact prompt + generated tokens vs the sparse output, and
-        the recall of each KV head's ``top`` chunks of largest dense attention mass."""
+    # -- where a batch's data is ----------------------------------------------------------------
+    def _plan(self, layer: LayerContext, req: RequestRows) -> RequestPlan:
+        """Built once per compressed request (every layer shares it); dropped by ``release``."""
+        plan = self._plans.get(req.req_id)
+        if plan is None:
+            region = layer.layout.region_ids(req.prompt_len, req.block_ids)
+            plan = self._plans[req.req_id] = self.pages.plan(req.prompt_len, region)
+        return plan
+
+    def _batch_plan(self, layer: LayerContext, reqs: list[RequestRows]) -> BatchPlan:
+        ids = tuple(r.req_id for r in reqs)
+        plan = self._batch_plans.get(ids)
+        if plan is None:
+            if len(self._batch_plans) > 8:  # batches that no longer run
+                self._batch_plans.clear()
+            plan = self._batch_plans[ids] = self.pages.batch_plan(
+                ids, [self._plan(layer, r) for r in reqs])
+        return plan
+
+    def _generated(self, layer: LayerContext, reqs: list[RequestRows], s_q: int):
+        """The exact K/V of each request's generated tokens before this step, [B, h, G + s_q, d]
+        (room for the step's own), and their counts [B]."""
+        layout, device = layer.layout, layer.kv_cache.device
+        per_page = layout.exact_per_page
+        counts = [r.seq_len - s_q - r.prompt_len for r in reqs]
+        pages = []
+        for r, n in zip(reqs, counts):  # slices of the block table rows: no copies, no syncs
+            first = layout.exact_blocks(r.prompt_len) + layout.region_blocks(r.prompt_len)
+            pages.append(r.block_ids[first: first + max(1, -(-n // per_page))])
+        table = torch.nn.utils.rnn.pad_sequence(pages, batch_first=True).long()
+        rel = torch.arange(max(counts), device=device).expand(len(reqs), -1)
+        blocks = table.gather(1, (rel // per_page).clamp(max=table.shape[1] - 1))
+        kv = exact_view(layer.kv_cache, layout)[blocks, rel % per_page]  # [B, G, 2, h, d]
+        gen = torch.nn.functional.pad(kv.permute(2, 0, 3, 1, 4), (0, 0, 0, s_q))
+        return gen[0], gen[1], torch.tensor(counts, device=device)
+
+    def _record_fidelity(self, layer: LayerContext, req: RequestRows, reference, outliers,
+                         slot_chunks, gen_k, gen_v, query, out, stats, top: int = 8) -> None:
+        """Dense attention over the exact prompt + generated tokens vs the sparse output
+        (query/out ``[s_q, Hq, d]``; gen_k/gen_v ``[h, g, d]``, this step's last), and the recall of each KV
+        head's ``top`` chunks of largest dense attention mass."""
         ref_k, ref_v = (t.to(query.device) for t in reference)
-        all_k, all_v = torch.cat([ref_k, gen_k, key]), torch.cat([ref_v, gen_v, value])
+        all_k = torch.cat([ref_k, gen_k.transpose(0, 1)])
+        all_v = torch.cat([ref_v, gen_v.transpose(0, 1)])
         dense = causal_attention(query, all_k, all_v, layer.scale)
         mass = chunk_attention_mass(query, ref_k, self.settings.chunk_size, layer.scale)
-        attended = attended_chunks(state.prompt, state.slot_chunks, self.params)
+        attended = attended_chunks(req.prompt_len, self.pages.compressed_tokens(req.prompt_len),
+                                   outliers, slot_chunks, self.settings.chunk_size)
         fid = measure_fidelity(out, dense, mass, attended, min(top, mass.shape[1]))
         stats.record_fidelity(layer.index, fid.relative_error, fid.chunk_recall)

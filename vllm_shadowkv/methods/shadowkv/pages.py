@@ -1,43 +1,95 @@
 """ShadowKV's region of a compressed request, in the pages the engine assigns it.
 
-A page of ``block_size`` token slots holds, for ``block_size`` compressed prompt tokens, their A
-rows ``[block_size, r]`` and the landmarks of their chunks ``[block_size / c, h_kv, d]``: one
-token slot is ``r + h_kv*d/c`` elements (576 B at Llama-3.1-8B shapes instead of 4 KiB exact).
-The region is those compressed pages, then the per-request state pages: B, outlier chunk ids,
-the exact region (outlier chunks + local window) and the selection slots (ids, K, V: the hit
-cache that persists between decode steps).
+**Compressed pages.** A page of ``block_size`` token slots holds, for ``block_size`` compressed
+prompt tokens, their A rows ``[block_size, r]`` and ``block_size / c`` landmark rows
+``[h_kv, d]``: one token slot is ``r + h_kv*d/c`` elements (576 B at Llama-3.1-8B shapes instead
+of 4 KiB exact). Landmark row i of KV head h is that head's i-th *selectable* chunk (outlier
+chunks are attended exactly and never selected), so decode scores the rows as they are.
+
+**State pages.** The rest of the request's state is stored as *state rows* of ``head_dim``
+elements (one token of one KV head): B (``h*r`` rows), the exact region (outlier chunks and the
+local window, ``h*E`` rows for K and for V), the selection slots (``h*k*c`` rows for K and for
+V: the hit cache that persists between decode steps), and int32 rows for the outlier and slot
+chunk ids. A page holds ``page_bytes // row_bytes`` whole rows, so a row never straddles two
+pages and every row is addressed as (page, row in page).
+
+Decode reads every row of every request of the step through one index per field
+(``RequestPlan``/``BatchPlan``: built once per request and batch, shared by all layers) and
+writes back only the slots whose chunk changed.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
 from vllm_shadowkv.core.compress import CompressedPrompt
-from vllm_shadowkv.core.landmarks import chunk_landmarks, selectable_landmarks
+from vllm_shadowkv.core.decode import DecodeBatch
 from vllm_shadowkv.methods.base import KVShapes
 from vllm_shadowkv.methods.shadowkv.settings import ShadowKVSettings
 
-ALIGN = 16  # bytes; keeps every state field aligned for any dtype view
+Index = tuple[torch.Tensor, ...]  # advanced index into a page view: (page ids, rows[, cols])
 
 
 @dataclass(frozen=True)
 class StateLayout:
-    """Byte offsets of one compressed request's per-request state (one layer)."""
+    """First state row of each field of one compressed request's state (one layer)."""
 
     num_outliers: int  # o: outlier chunks per KV head
-    exact_tokens: int  # o*c outlier tokens + the local window
+    exact_tokens: int  # E: o*c outlier tokens + the local window
     num_slots: int  # k: selected chunks per KV head
     b: int
-    outliers: int
     exact_k: int
     exact_v: int
-    slot_chunks: int
     slot_k: int
     slot_v: int
-    nbytes: int
+    outliers: int  # int32 fields, ``ints_per_row`` ids per row
+    slot_chunks: int
+    rows: int
+
+
+@dataclass(frozen=True)
+class RequestPlan:
+    """Where one compressed request's data sits in its pages (any layer: they share the block
+    table and the layout)."""
+
+    prompt_len: int
+    num_landmarks: int  # selectable landmarks per KV head
+    exact_tokens: int
+    a_rows: torch.Tensor  # [T] int64: element offset of each A row in the flat layer cache
+    landmarks: Index  # [n_sel] rows of the landmark view
+    b: Index  # [h*r] state rows
+    exact_k: Index  # [h*E]
+    exact_v: Index
+    slot_k: Index  # [h*k*c]
+    slot_v: Index
+    outliers: Index  # [h*o] ints
+    slot_chunks: Index  # [h*k] ints
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """The plans of one decode batch, concatenated (request order = batch order)."""
+
+    req_ids: tuple[str, ...]
+    a_rows: torch.Tensor  # [TA]
+    a_positions: torch.Tensor  # [TA] int32
+    a_start: torch.Tensor  # [B] int32
+    landmarks: Index  # [NL]
+    lm_start: torch.Tensor  # [B] int32
+    lm_count: torch.Tensor  # [B] int32
+    lm_request: torch.Tensor  # [NL] int64 request of each pooled landmark row
+    lm_rank: torch.Tensor  # [NL] int64 its index among the request's landmarks
+    max_landmarks: int
+    b: Index  # [B, h*r]
+    exact_k: Index  # [B, h, E_max] (short requests padded with their own first row)
+    exact_v: Index
+    exact_len: torch.Tensor  # [B]
+    slot_k: Index  # [B, h*k*c]
+    slot_v: Index
+    outliers: Index  # [B, h*o]
+    slot_chunks: Index  # [B, h*k]
 
 
 @dataclass(frozen=True)
@@ -45,11 +97,31 @@ class ShadowKVPages:
     settings: ShadowKVSettings
     shapes: KVShapes
 
+    # -- sizes (the scheduler and the workers derive the same) ------------------------------
     @property
     def token_bytes(self) -> int:
         """One compressed token: its A row and its share of a chunk landmark."""
         s = self.settings
-        return (s.rank + math.ceil(self.shapes.key_width / s.chunk_size)) * self.shapes.elem_bytes
+        return (s.rank + -(-self.shapes.key_width // s.chunk_size)) * self.shapes.elem_bytes
+
+    @property
+    def page_bytes(self) -> int:
+        return self.shapes.block_size * self.token_bytes
+
+    @property
+    def row_bytes(self) -> int:
+        return self.shapes.head_size * self.shapes.elem_bytes
+
+    @property
+    def rows_per_page(self) -> int:
+        rows = self.page_bytes // self.row_bytes
+        assert rows > 0, (f"a {self.page_bytes}-byte page cannot hold one {self.row_bytes}-byte "
+                          "state row; raise the block size")
+        return rows
+
+    @property
+    def ints_per_row(self) -> int:
+        return self.row_bytes // 4
 
     def compressed_tokens(self, prompt_len: int) -> int:
         """Prompt tokens that go to the low-rank pool; 0 means the request stays exact."""
@@ -64,134 +136,185 @@ class ShadowKVPages:
         o = min(p.outlier_chunks, n_chunks)
         k = p.select_chunks  # the core keeps a fixed slot count (unused slots stay empty)
         exact = o * c + prompt_len - n_chunks * c
-        e, h, d = self.shapes.elem_bytes, self.shapes.num_kv_heads, self.shapes.head_size
-        sizes = {
-            "b": h * p.rank * d * e,
-            "outliers": h * o * 4,
-            "exact_k": h * exact * d * e,
-            "exact_v": h * exact * d * e,
-            "slot_chunks": h * k * 4,
-            "slot_k": h * k * c * d * e,
-            "slot_v": h * k * c * d * e,
-        }
-        offsets, at = {}, 0
-        for name, size in sizes.items():
-            offsets[name] = at
-            at += -(-size // ALIGN) * ALIGN
-        return StateLayout(num_outliers=o, exact_tokens=exact, num_slots=k, nbytes=at, **offsets)
+        h, ipr = self.shapes.num_kv_heads, self.ints_per_row
+        sizes = {"b": h * p.rank, "exact_k": h * exact, "exact_v": h * exact,
+                 "slot_k": h * k * c, "slot_v": h * k * c,
+                 "outliers": -(-h * o // ipr), "slot_chunks": -(-h * k // ipr)}
+        first, at = {}, 0
+        for name, rows in sizes.items():
+            first[name] = at
+            at += rows
+        return StateLayout(num_outliers=o, exact_tokens=exact, num_slots=k, rows=at, **first)
 
     def state_blocks(self, prompt_len: int) -> int:
-        return -(-self.state(prompt_len).nbytes // (self.shapes.block_size * self.token_bytes))
+        return -(-self.state(prompt_len).rows // self.rows_per_page)
 
-    # -- page I/O -----------------------------------------------------------------------------
-    def _split(self, region_ids: torch.Tensor, prompt_len: int):
-        packed = self.packed_blocks(prompt_len)
-        return region_ids[:packed], region_ids[packed:]
-
+    # -- views of a layer's pages (no copies) --------------------------------------------------
     def _packed_elems(self) -> tuple[int, int]:
         """Elements of A rows and of landmarks in one compressed page."""
         bs, c = self.shapes.block_size, self.settings.chunk_size
         return bs * self.settings.rank, (bs // c) * self.shapes.key_width
 
-    def write_compressed(self, kv_cache, region_ids: torch.Tensor, prompt: CompressedPrompt,
-                         post_rope_keys: torch.Tensor) -> None:
-        """A freshly compressed prompt: A rows and all chunk landmarks in its compressed pages;
-        B, outliers and the exact region in its state pages, with empty selection slots."""
-        packed_ids, state_ids = self._split(region_ids, prompt.num_tokens)
-        dtype, device = kv_cache.dtype, kv_cache.device
-        h, d, c = self.shapes.num_kv_heads, self.shapes.head_size, self.settings.chunk_size
-        tokens, bs = prompt.compressed_tokens, self.shapes.block_size
+    def a_view(self, kv_cache: torch.Tensor) -> torch.Tensor:
+        """Every r-element run of the flat layer cache as a row: A row t of a request is row
+        ``RequestPlan.a_rows[t]`` (its element offset). Overlapping, read only."""
+        flat, r = kv_cache.view(-1), self.settings.rank
+        return torch.as_strided(flat, (flat.numel() - r + 1, r), (1, 1))
+
+    def landmark_view(self, kv_cache: torch.Tensor) -> torch.Tensor:
+        """``[num_blocks, block_size / c, h_kv * d]``."""
         a_elems, lm_elems = self._packed_elems()
-        pages = kv_cache.view(kv_cache.shape[0], -1)
-        a = torch.zeros(len(packed_ids) * bs, self.settings.rank, dtype=dtype, device=device)
-        a[:tokens] = prompt.a
-        landmarks = torch.zeros(len(packed_ids) * bs // c, h, d, dtype=dtype, device=device)
-        landmarks[: tokens // c] = chunk_landmarks(post_rope_keys[:tokens], c)
-        pages[packed_ids, :a_elems] = a.view(len(packed_ids), a_elems)
-        pages[packed_ids, a_elems: a_elems + lm_elems] = landmarks.view(len(packed_ids), lm_elems)
+        pages = kv_cache.view(kv_cache.shape[0], -1)[:, a_elems: a_elems + lm_elems]
+        return pages.view(kv_cache.shape[0], -1, self.shapes.key_width)
 
-        st = self.state(prompt.num_tokens)
-        raw = torch.zeros(len(state_ids), _page_bytes(kv_cache), dtype=torch.uint8, device=device)
-        flat = raw.view(-1)
-        _put(flat, st.b, prompt.b)
-        _put(flat, st.outliers, prompt.outliers.to(torch.int32))
-        _put(flat, st.exact_k, prompt.exact_k)
-        _put(flat, st.exact_v, prompt.exact_v)
-        _put(flat, st.slot_chunks, torch.full((h, st.num_slots), -1, dtype=torch.int32))
-        _bytes_view(kv_cache)[state_ids] = raw
+    def row_view(self, kv_cache: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``[num_blocks, rows_per_page, row_bytes / itemsize]`` state rows as ``dtype``."""
+        m, rb = self.rows_per_page, self.row_bytes
+        raw = kv_cache.view(kv_cache.shape[0], -1).view(torch.uint8)[:, : m * rb]
+        return raw.view(kv_cache.shape[0], m, rb).view(dtype)
 
-    def read_state(self, kv_cache, region_ids: torch.Tensor, prompt_len: int) -> SparseState:
-        """The compressed prompt and its selection slots, read from the request's pages."""
-        packed_ids, state_ids = self._split(region_ids, prompt_len)
-        dtype, device = kv_cache.dtype, kv_cache.device
+    # -- plans ---------------------------------------------------------------------------------
+    def plan(self, prompt_len: int, region_ids: torch.Tensor) -> RequestPlan:
+        """Index tensors of one compressed request's region (``region_ids``: its block ids)."""
+        bs, c, r = self.shapes.block_size, self.settings.chunk_size, self.settings.rank
+        h, device = self.shapes.num_kv_heads, region_ids.device
+        packed = self.packed_blocks(prompt_len)
+        packed_ids, state_ids = region_ids[:packed].long(), region_ids[packed:].long()
+        tokens = torch.arange(self.compressed_tokens(prompt_len), device=device)
+        page_elems = self.page_bytes // self.shapes.elem_bytes
+        a_rows = packed_ids[tokens // bs] * page_elems + tokens % bs * r
+        st = self.state(prompt_len)
+        n_sel = tokens.numel() // c - st.num_outliers
+        lm = torch.arange(n_sel, device=device)
+        m, ipr = self.rows_per_page, self.ints_per_row
+
+        def rows(first: int, count: int) -> Index:
+            at = first + torch.arange(count, device=device)
+            return state_ids[at // m], at % m
+
+        def ints(first: int, count: int) -> Index:
+            at = torch.arange(count, device=device)
+            row = first + at // ipr
+            return state_ids[row // m], row % m, at % ipr
+
+        h_e, h_s = h * st.exact_tokens, h * st.num_slots * c
+        return RequestPlan(
+            prompt_len=prompt_len, num_landmarks=n_sel, exact_tokens=st.exact_tokens,
+            a_rows=a_rows, landmarks=(packed_ids[lm // (bs // c)], lm % (bs // c)),
+            b=rows(st.b, h * r), exact_k=rows(st.exact_k, h_e), exact_v=rows(st.exact_v, h_e),
+            slot_k=rows(st.slot_k, h_s), slot_v=rows(st.slot_v, h_s),
+            outliers=ints(st.outliers, h * st.num_outliers),
+            slot_chunks=ints(st.slot_chunks, h * st.num_slots))
+
+    def batch_plan(self, req_ids: tuple[str, ...], plans: list[RequestPlan]) -> BatchPlan:
+        device = plans[0].a_rows.device
+        h = self.shapes.num_kv_heads
+        a_counts = [p.a_rows.numel() for p in plans]
+        lm_counts = [p.num_landmarks for p in plans]
+        e_max = max(p.exact_tokens for p in plans)
+
+        def stack(name: str) -> Index:
+            return tuple(torch.stack(parts) for parts in zip(*(getattr(p, name) for p in plans)))
+
+        def padded_exact(name: str) -> Index:
+            """[h, E] per request, padded with its first row (masked by exact_len)."""
+            out = []
+            for parts in zip(*(getattr(p, name) for p in plans)):
+                per = [t.view(h, -1) for t in parts]
+                out.append(torch.stack([torch.nn.functional.pad(t, (0, e_max - t.shape[1]),
+                                                                 value=int(t[0, 0]))
+                                        for t in per]))
+            return tuple(out)
+
+        lm_request = torch.repeat_interleave(torch.arange(len(plans), device=device),
+                                             torch.tensor(lm_counts, device=device))
+        lm_start = _starts(lm_counts, device)
+        return BatchPlan(
+            req_ids=req_ids,
+            a_rows=torch.cat([p.a_rows for p in plans]),
+            a_positions=torch.cat([torch.arange(n, dtype=torch.int32, device=device)
+                                   for n in a_counts]),
+            a_start=_starts(a_counts, device),
+            landmarks=tuple(torch.cat(parts) for parts in zip(*(p.landmarks for p in plans))),
+            lm_start=lm_start, lm_count=torch.tensor(lm_counts, dtype=torch.int32,
+                                                     device=device),
+            lm_request=lm_request,
+            lm_rank=torch.arange(len(lm_request), device=device) - lm_start[lm_request],
+            max_landmarks=max(lm_counts),
+            b=stack("b"), exact_k=padded_exact("exact_k"), exact_v=padded_exact("exact_v"),
+            exact_len=torch.tensor([p.exact_tokens for p in plans], device=device),
+            slot_k=stack("slot_k"), slot_v=stack("slot_v"),
+            outliers=stack("outliers"), slot_chunks=stack("slot_chunks"))
+
+    # -- page I/O -----------------------------------------------------------------------------
+    def write_compressed(self, kv_cache: torch.Tensor, region_ids: torch.Tensor,
+                         plan: RequestPlan, prompt: CompressedPrompt) -> None:
+        """A freshly compressed prompt into its region: A rows and selectable landmarks in the
+        compressed pages; B, outliers and the exact region in the state rows; empty slots."""
         h, d = self.shapes.num_kv_heads, self.shapes.head_size
-        c, r = self.settings.chunk_size, self.settings.rank
-        tokens = self.compressed_tokens(prompt_len)
-        a_elems, lm_elems = self._packed_elems()
-        pages = kv_cache.view(kv_cache.shape[0], -1)[packed_ids]
-        a = pages[:, :a_elems].reshape(-1, r)[:tokens]
-        landmarks = pages[:, a_elems: a_elems + lm_elems].reshape(-1, h, d)[: tokens // c]
+        k, bs, r = self.settings.params.select_chunks, self.shapes.block_size, self.settings.rank
+        dtype, device = kv_cache.dtype, kv_cache.device
+        packed_ids = region_ids[: self.packed_blocks(plan.prompt_len)].long()
+        a_pages = kv_cache.view(kv_cache.shape[0], -1)[:, : bs * r].view(-1, bs, r)
+        a = torch.zeros(len(packed_ids) * bs, r, dtype=dtype, device=device)
+        a[: prompt.compressed_tokens] = prompt.a
+        a_pages[packed_ids] = a.view(-1, bs, r)
+        self.landmark_view(kv_cache)[plan.landmarks] = prompt.landmarks.flatten(1).to(dtype)
+        rows, ints = self.row_view(kv_cache, kv_cache.dtype), self.row_view(kv_cache, torch.int32)
+        rows[plan.b] = prompt.b.reshape(-1, d)
+        rows[plan.exact_k] = prompt.exact_k.reshape(-1, d)
+        rows[plan.exact_v] = prompt.exact_v.reshape(-1, d)
+        ints[plan.outliers] = prompt.outliers.flatten().to(torch.int32)
+        ints[plan.slot_chunks] = torch.full((h * k,), -1, dtype=torch.int32, device=device)
 
-        st = self.state(prompt_len)
-        raw = _bytes_view(kv_cache)[state_ids].flatten()
-        outliers = _get(raw, st.outliers, torch.int32, (h, st.num_outliers))
-        sel_landmarks, sel_ids = selectable_landmarks(landmarks, outliers.long())
-        prompt = CompressedPrompt(
-            num_tokens=prompt_len,
-            a=a,
-            a_positions=torch.arange(tokens, dtype=torch.int32, device=device),
-            b=_get(raw, st.b, dtype, (h, r, d)),
-            landmarks=sel_landmarks,
-            landmark_chunks=sel_ids,
-            outliers=outliers,
-            exact_k=_get(raw, st.exact_k, dtype, (h, st.exact_tokens, d)),
-            exact_v=_get(raw, st.exact_v, dtype, (h, st.exact_tokens, d)),
-        )
-        k_tokens = st.num_slots * c
-        return SparseState(
-            prompt=prompt,
-            slot_chunks=_get(raw, st.slot_chunks, torch.int32, (h, st.num_slots)),
-            slot_k=_get(raw, st.slot_k, dtype, (h, k_tokens, d)),
-            slot_v=_get(raw, st.slot_v, dtype, (h, k_tokens, d)),
-        )
+    def load_batch(self, kv_cache: torch.Tensor, plan: BatchPlan, rope,
+                   gen_k: torch.Tensor, gen_v: torch.Tensor, gen_len: torch.Tensor,
+                   ) -> tuple[DecodeBatch, torch.Tensor]:
+        """The batch's state read from its pages, as the core's ``DecodeBatch`` (copies of the
+        rows; the slots are written back by ``store_slots``), and its outlier ids [B, h, o].
+        gen_k/gen_v ``[B, h, capacity, d]``: each request's generated tokens so far."""
+        params, h, d = self.settings.params, self.shapes.num_kv_heads, self.shapes.head_size
+        batch, c, k = len(plan.req_ids), params.chunk_size, params.select_chunks
+        rows, ints = self.row_view(kv_cache, kv_cache.dtype), self.row_view(kv_cache, torch.int32)
+        outliers = ints[plan.outliers].view(batch, h, -1)
+        landmark_chunks = _selectable_chunk_ids(outliers, plan)
+        return DecodeBatch(
+            params=params, rope=rope.to(kv_cache.device), store_keys=[],
+            a=self.a_view(kv_cache), a_rows=plan.a_rows, a_positions=plan.a_positions,
+            a_start=plan.a_start, b=rows[plan.b].view(batch, h, params.rank, d),
+            landmarks=self.landmark_view(kv_cache)[plan.landmarks].view(-1, h, d),
+            landmark_chunks=landmark_chunks, lm_start=plan.lm_start, lm_count=plan.lm_count,
+            max_landmarks=plan.max_landmarks,
+            exact_k=rows[plan.exact_k], exact_v=rows[plan.exact_v], exact_len=plan.exact_len,
+            slot_chunks=ints[plan.slot_chunks].view(batch, h, k),
+            slot_k=rows[plan.slot_k].view(batch, h, k * c, d),
+            slot_v=rows[plan.slot_v].view(batch, h, k * c, d),
+            gen_k=gen_k, gen_v=gen_v, gen_len=gen_len,
+        ), outliers
 
-    def write_slots(self, kv_cache, region_ids: torch.Tensor, prompt_len: int,
-                    state: SparseState) -> None:
-        """Persist the selection slots (the hit cache) after a decode step."""
-        _, state_ids = self._split(region_ids, prompt_len)
-        st = self.state(prompt_len)
-        raw = _bytes_view(kv_cache)[state_ids]
-        flat = raw.view(-1)
-        _put(flat, st.slot_chunks, state.slot_chunks)
-        _put(flat, st.slot_k, state.slot_k)
-        _put(flat, st.slot_v, state.slot_v)
-        _bytes_view(kv_cache)[state_ids] = raw
-
-
-@dataclass
-class SparseState:
-    """One compressed request's prompt and selection slots (one layer), read from pages."""
-
-    prompt: CompressedPrompt
-    slot_chunks: torch.Tensor  # [h, k] int32, -1 empty
-    slot_k: torch.Tensor  # [h, k*c, d]
-    slot_v: torch.Tensor
-
-
-def _page_bytes(kv_cache: torch.Tensor) -> int:
-    return kv_cache[0].numel() * kv_cache.element_size()
+    def store_slots(self, kv_cache: torch.Tensor, plan: BatchPlan, batch: DecodeBatch,
+                    before: torch.Tensor) -> None:
+        """Persist the selection slots after a step: all slot ids, and the K/V rows of the slots
+        whose chunk changed (the misses just filled)."""
+        n, h, k = batch.slot_chunks.shape
+        c, d = self.settings.chunk_size, self.shapes.head_size
+        rows, ints = self.row_view(kv_cache, kv_cache.dtype), self.row_view(kv_cache, torch.int32)
+        ints[plan.slot_chunks] = batch.slot_chunks.view(n, -1)
+        filled = (batch.slot_chunks != before) & (batch.slot_chunks >= 0)  # [B, h, k]
+        for index, data in ((plan.slot_k, batch.slot_k), (plan.slot_v, batch.slot_v)):
+            picked = tuple(t.view(n, h, k, c)[filled] for t in index)
+            rows[picked] = data.view(n, h, k, c, d)[filled]
 
 
-def _bytes_view(kv_cache: torch.Tensor) -> torch.Tensor:
-    """``[num_blocks, page_bytes]`` uint8 view of the layer cache (no copy)."""
-    return kv_cache.view(kv_cache.shape[0], -1).view(torch.uint8)
+def _starts(counts: list[int], device) -> torch.Tensor:
+    return (torch.tensor([0] + counts[:-1], device=device).cumsum(0)).to(torch.int32)
 
 
-def _put(raw: torch.Tensor, offset: int, tensor: torch.Tensor) -> None:
-    data = tensor.contiguous().view(-1).view(torch.uint8)
-    raw[offset: offset + data.numel()] = data.to(raw.device)
-
-
-def _get(raw: torch.Tensor, offset: int, dtype: torch.dtype, shape) -> torch.Tensor:
-    count = math.prod(shape)
-    return raw[offset: offset + count * dtype.itemsize].view(dtype).view(shape).clone()
+def _selectable_chunk_ids(outliers: torch.Tensor, plan: BatchPlan) -> torch.Tensor:
+    """Chunk id of each pooled landmark row, [NL, h] int32. With a KV head's outlier ids sorted
+    (o_j), its i-th selectable chunk is i + #{j : o_j - j <= i}: the non-outliers in order."""
+    batch, h, o = outliers.shape
+    gaps = outliers.long().sort(dim=-1).values - torch.arange(o, device=outliers.device)
+    rank = torch.arange(plan.max_landmarks, device=outliers.device).expand(batch, h, -1)
+    ids = rank + torch.searchsorted(gaps, rank.contiguous(), right=True)  # [B, h, n_max]
+    return ids[plan.lm_request, :, plan.lm_rank].to(torch.int32)
