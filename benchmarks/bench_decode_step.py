@@ -132,6 +132,7 @@ def bench_kernels_cuda(context, batch_size, rope):
     lm_chunks = torch.arange(n_lm, device=device, dtype=torch.int32).repeat(batch_size)
     lm_chunks = lm_chunks.view(-1, 1).expand(-1, H_KV).contiguous()
     lm_start = torch.arange(batch_size, device=device, dtype=torch.int32) * n_lm
+    lm_rows = torch.arange(batch_size * n_lm, device=device)
     lm_count = torch.full((batch_size,), n_lm, device=device, dtype=torch.int32)
     q = torch.randn(batch_size, 1, H_Q, HEAD_DIM, device=device, dtype=bf16)
     scale = HEAD_DIM ** -0.5
@@ -151,10 +152,10 @@ def bench_kernels_cuda(context, batch_size, rope):
 
     rows = H_Q // H_KV
     out = {}
-    scores = select_kernels.landmark_scores(q, lm, lm_start, lm_count, n_lm, scale)
-    ref = select.landmark_scores(q, lm, lm_start, lm_count, n_lm, scale)
+    scores = select_kernels.landmark_scores(q, lm, lm_rows, lm_start, lm_count, n_lm, scale)
+    ref = select.landmark_scores(q, lm, lm_rows, lm_start, lm_count, n_lm, scale)
     out["landmark_scores"] = _bandwidth(
-        lambda: select_kernels.landmark_scores(q, lm, lm_start, lm_count, n_lm, scale),
+        lambda: select_kernels.landmark_scores(q, lm, lm_rows, lm_start, lm_count, n_lm, scale),
         lm.numel() * elt + batch_size * H_KV * n_lm * 4 * (2 * rows + 1), device)
     out["landmark_scores"]["max_abs_err_vs_torch"] = float((scores - ref).abs().max())
     chosen = select_kernels.select_chunks(scores, lm_chunks, lm_start, lm_count, k)

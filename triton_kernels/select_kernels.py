@@ -11,8 +11,9 @@ import triton.language as tl
 
 @triton.jit
 def _landmark_logits_kernel(
-    q_ptr, lm_ptr, lm_start_ptr, lm_count_ptr, logits_ptr, blk_max_ptr, blk_sum_ptr,
-    stride_qb, stride_qs, stride_qh, stride_qd, stride_ln, stride_lh, stride_ld,
+    q_ptr, lm_ptr, lm_rows_ptr, lm_start_ptr, lm_count_ptr, logits_ptr, blk_max_ptr,
+    blk_sum_ptr, stride_qb, stride_qs, stride_qh, stride_qd, stride_ln, stride_lh, stride_ld,
+    stride_lr,
     max_count, n_blocks, scale,
     H_KV: tl.constexpr, GROUP: tl.constexpr, S_Q: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -29,7 +30,8 @@ def _landmark_logits_kernel(
     n_mask = offs_n < count
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_DIM
-    lm = tl.load(lm_ptr + (start + offs_n)[:, None] * stride_ln + h * stride_lh
+    lm_row = tl.load(lm_rows_ptr + (start + offs_n) * stride_lr, mask=n_mask, other=0)
+    lm = tl.load(lm_ptr + lm_row[:, None] * stride_ln + h * stride_lh
                  + offs_d[None, :] * stride_ld,
                  mask=n_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
     for g in tl.static_range(GROUP):
@@ -86,11 +88,12 @@ def _landmark_scores_kernel(
              tl.where(n_mask, best, -1.0), mask=offs_n < max_count)
 
 
-def landmark_scores(q, landmarks, lm_start, lm_count, max_count, scale):
+def landmark_scores(q, landmarks, lm_rows, lm_start, lm_count, max_count, scale):
     batch, s_q, h_q, head_dim = q.shape
     h_kv = landmarks.shape[1]
     assert landmarks.dim() == 3 and landmarks.shape[2] == head_dim and h_q % h_kv == 0
     assert lm_start.shape == lm_count.shape == (batch,)
+    assert lm_rows.dim() == 1 and lm_rows.dtype == torch.int64
     assert lm_start.dtype == lm_count.dtype == torch.int32
     assert q.device == landmarks.device == lm_start.device == lm_count.device
     out = torch.full((batch, h_kv, max_count), -1.0, dtype=torch.float32, device=q.device)
@@ -104,8 +107,8 @@ def landmark_scores(q, landmarks, lm_start, lm_count, max_count, scale):
     blk_sum = torch.empty_like(blk_max)
     grid = (batch * h_kv, n_blocks)
     _landmark_logits_kernel[grid](
-        q, landmarks, lm_start, lm_count, logits, blk_max, blk_sum,
-        *q.stride(), *landmarks.stride(), max_count, n_blocks, scale,
+        q, landmarks, lm_rows, lm_start, lm_count, logits, blk_max, blk_sum,
+        *q.stride(), *landmarks.stride(), *lm_rows.stride(), max_count, n_blocks, scale,
         H_KV=h_kv, GROUP=group, S_Q=s_q, HEAD_DIM=head_dim,
         BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(head_dim))
     _landmark_scores_kernel[grid](

@@ -1,11 +1,12 @@
-"""Every Triton kernel against its torch reference (interpreted on the CPU, see conftest.py):
-ragged lengths (including empty requests), GQA groups 1/4/8, head_dim 64/128, bf16/fp32,
-non-contiguous inputs, fresh random inputs each test."""
+"""Every Triton kernel (interpreted on the CPU, see conftest.py) and every compiled CPU kernel
+(core/cpu_kernels.py) against its torch reference: ragged lengths (including empty requests),
+GQA groups 1/4/8, head_dim 64/128, bf16/fp32, non-contiguous inputs, fresh random inputs each
+test."""
 
 import pytest
 import torch
 
-from vllm_shadowkv.core import ops, reconstruct, select
+from vllm_shadowkv.core import cpu_kernels, ops, reconstruct, select
 from vllm_shadowkv.core.rope import RopeCache
 from vllm_shadowkv.triton_kernels import rebuild_kernels, select_kernels
 
@@ -13,6 +14,15 @@ from core_rope_util import default_rope
 
 GRID = [(g, d, dt) for g in (1, 4, 8) for d in (64, 128) for dt in (torch.float32, torch.bfloat16)]
 COUNTS = [37, 300, 0, 129]  # irregular, one request without landmarks
+
+
+KERNELS = {"triton": (select_kernels, rebuild_kernels), "cpu": (cpu_kernels, cpu_kernels)}
+
+
+def _kernels(impl, device):
+    if impl == "cpu" and (device.type != "cpu" or not cpu_kernels.available()):
+        pytest.skip("compiled CPU kernels: CPU tensors and a C++ compiler")
+    return KERNELS[impl]
 
 
 def _tol(dtype):
@@ -30,15 +40,19 @@ def _ragged_pool(counts, h_kv, width, dtype, device, gap=3):
     return pool, as_i32(starts), as_i32(counts)
 
 
+@pytest.mark.parametrize("impl", list(KERNELS))
 @pytest.mark.parametrize("group,head_dim,dtype", GRID)
-def test_landmark_scores(group, head_dim, dtype, kernel_device):
+def test_landmark_scores(group, head_dim, dtype, impl, kernel_device):
     h_kv, s_q = 2, 2
     landmarks, starts, counts = _ragged_pool(COUNTS, h_kv, head_dim, dtype, kernel_device)
     q = torch.randn(len(COUNTS), h_kv * group, s_q, head_dim, device=kernel_device).to(dtype)
     q = q.transpose(1, 2)  # [B, s_q, h_q, d], non-contiguous
     scale = head_dim ** -0.5
-    got = select_kernels.landmark_scores(q, landmarks, starts, counts, max(COUNTS), scale)
-    want = select.landmark_scores(q, landmarks, starts, counts, max(COUNTS), scale)
+    # The pool's rows shuffled among the landmark rows (pages in the engine).
+    rows = torch.randperm(landmarks.shape[0], device=kernel_device)
+    scoring, _ = _kernels(impl, kernel_device)
+    got = scoring.landmark_scores(q, landmarks, rows, starts, counts, max(COUNTS), scale)
+    want = select.landmark_scores(q, landmarks, rows, starts, counts, max(COUNTS), scale)
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
 
 
@@ -93,7 +107,9 @@ ROPES = {"neox": dict(neox=True), "gptj": dict(neox=False), "partial": dict(rota
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rope_kind", list(ROPES))
-def test_rebuild_keys(head_dim, dtype, rope_kind, kernel_device):
+@pytest.mark.parametrize("layout", ["column-major", "row-major"])
+@pytest.mark.parametrize("impl", list(KERNELS))
+def test_rebuild_keys(head_dim, dtype, rope_kind, layout, impl, kernel_device):
     # The GQA group does not enter this kernel (keys are per KV head).
     batch, h_kv, k, c, rank = 3, 2, 6, 8, 40
     n_chunks = [9, 20, 6]
@@ -105,6 +121,8 @@ def test_rebuild_keys(head_dim, dtype, rope_kind, kernel_device):
     pool = sum(a_counts) + 5
     # Column-major, and the pool's rows shuffled among more rows of `a` (pages in the engine).
     a = torch.randn(rank, 2 * pool, device=kernel_device).to(dtype).T
+    if layout == "row-major":  # the engine's: rows of pages (unit stride along the rank)
+        a = a.contiguous()
     a_rows = torch.randperm(2 * pool, device=kernel_device)[:pool]
     a_positions = torch.randint(0, 4096, (pool,), dtype=torch.int32, device=kernel_device)
     a_start = torch.tensor([0, a_counts[0] + 2, a_counts[0] + a_counts[1] + 5],
@@ -114,7 +132,7 @@ def test_rebuild_keys(head_dim, dtype, rope_kind, kernel_device):
     base = torch.randn(batch, k * c, h_kv, head_dim, device=kernel_device).to(dtype).transpose(1, 2)
     got, want = base.clone(), base.clone()
     args = (a, a_rows, a_positions, a_start, b, slot_chunks, miss_slots, miss_count, rope)
-    rebuild_kernels.rebuild_keys(*args, got)
+    _kernels(impl, kernel_device)[1].rebuild_keys(*args, got)
     reconstruct.rebuild_keys(*args, want)
     torch.testing.assert_close(got, want, **_tol(dtype))
     written = torch.zeros(batch, h_kv, k + 1, dtype=torch.bool, device=kernel_device)
@@ -139,13 +157,16 @@ def test_scatter_values(head_dim, dtype, kernel_device):
 
 def test_dispatch_routes_to_kernels(monkeypatch):
     calls = []
-    real = select_kernels.landmark_scores
-    monkeypatch.setattr(select_kernels, "landmark_scores",
-                        lambda *a: calls.append(1) or real(*a))
+    for name, module in (("triton", select_kernels), ("cpu", cpu_kernels), ("torch", select)):
+        real = module.landmark_scores
+        monkeypatch.setattr(module, "landmark_scores",
+                            lambda *a, name=name, real=real: calls.append(name) or real(*a))
     q = torch.randn(1, 1, 4, 64)
     landmarks, starts, counts = _ragged_pool([5], 1, 64, torch.float32, "cpu")
-    ops.landmark_scores(q, landmarks, starts, counts, 5, 0.125)
-    assert not calls  # CPU tensors take the torch path
+    args = (q, landmarks, torch.arange(landmarks.shape[0]), starts, counts, 5, 0.125)
+    ops.landmark_scores(*args)  # CPU tensors: the compiled kernels (with a compiler)
     with ops.force_triton():
-        ops.landmark_scores(q, landmarks, starts, counts, 5, 0.125)
-    assert calls
+        ops.landmark_scores(*args)
+    with ops.kernel_mode("torch"):
+        ops.landmark_scores(*args)
+    assert calls == ["cpu" if cpu_kernels.available() else "torch", "triton", "torch"]

@@ -55,7 +55,8 @@ class DecodeBatch:
     a_positions: torch.Tensor  # [TA] int32
     a_start: torch.Tensor  # [B] int32
     b: torch.Tensor  # [B, h_kv, r, d]
-    landmarks: torch.Tensor  # [NL, h_kv, d]
+    landmarks: torch.Tensor  # [N, h_kv, d] rows of landmarks, any strides (engine: of pages)
+    lm_rows: torch.Tensor  # [NL] int64 row of `landmarks` holding each pool row
     landmark_chunks: torch.Tensor  # [NL, h_kv] int32
     lm_start: torch.Tensor  # [B] int32
     lm_count: torch.Tensor  # [B] int32
@@ -91,6 +92,7 @@ class DecodeBatch:
             a_start=_starts(a_counts, device),
             b=torch.stack([p.b for p in prompts]),
             landmarks=torch.cat([p.landmarks for p in prompts]),
+            lm_rows=torch.arange(sum(lm_counts), device=device),
             landmark_chunks=torch.cat([p.landmark_chunks for p in prompts]),
             lm_start=_starts(lm_counts, device),
             lm_count=torch.tensor(lm_counts, dtype=torch.int32, device=device),
@@ -119,7 +121,8 @@ class DecodeBatch:
     def _missed_rows(self, miss_slots, miss_count) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
         """(KV head, chunk id) of every missed slot on the host, (b, h, miss) in row-major
         order, and the count per request."""
-        valid = torch.arange(miss_slots.shape[-1], device=miss_slots.device) < miss_count.unsqueeze(-1)
+        width = torch.arange(miss_slots.shape[-1], device=miss_slots.device)
+        valid = width < miss_count.unsqueeze(-1)
         bi, hi, mi = valid.nonzero(as_tuple=True)
         chunks = self.slot_chunks[bi, hi, miss_slots[bi, hi, mi].long()]
         return hi.cpu(), chunks.cpu(), miss_count.sum(dim=-1).tolist()
@@ -142,8 +145,9 @@ class DecodeBatch:
             scores = sink_recent_scores(self.landmark_chunks, self.lm_start, self.lm_count,
                                         self.max_landmarks)
         else:
-            scores = ops.landmark_scores(q, self.landmarks, self.lm_start, self.lm_count,
-                                         self.max_landmarks, 1.0 / math.sqrt(q.shape[-1]))
+            scores = ops.landmark_scores(q, self.landmarks, self.lm_rows, self.lm_start,
+                                         self.lm_count, self.max_landmarks,
+                                         1.0 / math.sqrt(q.shape[-1]))
         selected = ops.select_chunks(scores, self.landmark_chunks, self.lm_start, self.lm_count,
                                      self.params.select_chunks)
         self.slot_chunks, miss_slots, miss_count = assign_slots(self.slot_chunks, selected)

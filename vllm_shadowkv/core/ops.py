@@ -1,8 +1,9 @@
-"""The one dispatch point between the torch references and the Triton kernels.
+"""The one dispatch point between the torch references and the kernels.
 
-Mode "auto": CUDA tensors go to Triton, anything else to torch. "triton" sends every tensor to
-the kernels (CPU tensors work only under TRITON_INTERPRET=1: how the kernel path is tested inside
-the CPU engine); "torch" sends every tensor to the references.
+Mode "auto": CUDA tensors go to the Triton kernels, CPU tensors to the compiled CPU kernels
+(core/cpu_kernels.py; the references where no C++ compiler is installed). "triton" sends every
+tensor to the Triton kernels (CPU tensors work only under TRITON_INTERPRET=1: how the kernel
+path is tested inside the CPU engine); "torch" sends every tensor to the references.
 """
 
 import contextlib
@@ -10,7 +11,8 @@ import importlib.util
 
 import torch
 
-from . import reconstruct, select
+from . import quant_attention as quant_path
+from . import cpu_kernels, reconstruct, select
 
 _HAS_TRITON = importlib.util.find_spec("triton") is not None
 KERNEL_MODES = ("auto", "triton", "torch")
@@ -45,9 +47,14 @@ def _kernels(name: str):
     return importlib.import_module(f"vllm_shadowkv.triton_kernels.{name}")
 
 
-def landmark_scores(q, landmarks, lm_start, lm_count, max_count, scale):
-    impl = _kernels("select_kernels") if _use_triton(q) else select
-    return impl.landmark_scores(q, landmarks, lm_start, lm_count, max_count, scale)
+def _compiled_cpu(t: torch.Tensor) -> bool:
+    return _mode == "auto" and t.device.type == "cpu" and cpu_kernels.available()
+
+
+def landmark_scores(q, landmarks, lm_rows, lm_start, lm_count, max_count, scale):
+    impl = (_kernels("select_kernels") if _use_triton(q)
+            else cpu_kernels if _compiled_cpu(q) else select)
+    return impl.landmark_scores(q, landmarks, lm_rows, lm_start, lm_count, max_count, scale)
 
 
 def select_chunks(scores, landmark_chunks, lm_start, lm_count, k):
@@ -57,7 +64,8 @@ def select_chunks(scores, landmark_chunks, lm_start, lm_count, k):
 
 def rebuild_keys(a, a_rows, a_positions, a_start, b, slot_chunks, miss_slots, miss_count, rope,
                  slot_k):
-    impl = _kernels("rebuild_kernels") if _use_triton(slot_k) else reconstruct
+    impl = (_kernels("rebuild_kernels") if _use_triton(slot_k)
+            else cpu_kernels if _compiled_cpu(slot_k) else reconstruct)
     impl.rebuild_keys(a, a_rows, a_positions, a_start, b, slot_chunks, miss_slots, miss_count,
                       rope, slot_k)
 
@@ -65,3 +73,8 @@ def rebuild_keys(a, a_rows, a_positions, a_start, b, slot_chunks, miss_slots, mi
 def scatter_values(staging, staging_start, miss_slots, miss_count, slot_v):
     impl = _kernels("rebuild_kernels") if _use_triton(slot_v) else reconstruct
     impl.scatter_values(staging, staging_start, miss_slots, miss_count, slot_v)
+
+
+def quant_attention(q, groups, group_table, group_count, fmt, scale):
+    impl = _kernels("quant_kernels") if _use_triton(q) else quant_path
+    return impl.quant_attention(q, groups, group_table, group_count, fmt, scale)

@@ -11,6 +11,7 @@ import torch
 def landmark_scores(
     q: torch.Tensor,
     landmarks: torch.Tensor,
+    lm_rows: torch.Tensor,
     lm_start: torch.Tensor,
     lm_count: torch.Tensor,
     max_count: int,
@@ -18,8 +19,9 @@ def landmark_scores(
 ) -> torch.Tensor:
     """Chunk scores per KV head, [B, h_kv, max_count] fp32; -1 past a request's count.
 
-    q [B, s_q, h_q, d] post-RoPE; landmarks [NL, h_kv, d] pool where request b owns rows
-    [lm_start[b], lm_start[b] + lm_count[b]). Per query head: softmax over the request's
+    q [B, s_q, h_q, d] post-RoPE; request b owns pool rows [lm_start[b], lm_start[b] +
+    lm_count[b]), pool row i held in row lm_rows[i] (int64) of landmarks [N, h_kv, d] (any
+    strides: in the engine, rows of pages). Per query head: softmax over the request's
     landmarks (fp32, scale 1/sqrt(d) in the paper); summed over the s_q query tokens; max over
     the query heads of each KV head (GQA).
     """
@@ -29,7 +31,7 @@ def landmark_scores(
     for i, (start, count) in enumerate(zip(lm_start.tolist(), lm_count.tolist())):
         if count == 0:
             continue
-        lm = landmarks[start:start + count].float()  # [n, h_kv, d]
+        lm = landmarks[lm_rows[start:start + count]].float()  # [n, h_kv, d]
         qg = q[i].float().view(s_q, h_kv, h_q // h_kv, head_dim)
         probs = torch.softmax(torch.einsum("shgd,nhd->hgsn", qg, lm) * scale, dim=-1)
         out[i, :, :count] = probs.sum(dim=2).amax(dim=1)

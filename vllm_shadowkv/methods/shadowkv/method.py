@@ -149,8 +149,8 @@ class ShadowKVMethod(KVMethod):
     def _record_fidelity(self, layer: LayerContext, req: RequestRows, reference, outliers,
                          slot_chunks, gen_k, gen_v, query, out, stats, top: int = 8) -> None:
         """Dense attention over the exact prompt + generated tokens vs the sparse output
-        (query/out ``[s_q, Hq, d]``; gen_k/gen_v ``[h, g, d]``, this step's last), and the recall of each KV
-        head's ``top`` chunks of largest dense attention mass."""
+        (query/out ``[s_q, Hq, d]``; gen_k/gen_v ``[h, g, d]``, this step's last), and the
+        recall of each KV head's ``top`` chunks of largest dense attention mass."""
         ref_k, ref_v = (t.to(query.device) for t in reference)
         all_k = torch.cat([ref_k, gen_k.transpose(0, 1)])
         all_v = torch.cat([ref_v, gen_v.transpose(0, 1)])

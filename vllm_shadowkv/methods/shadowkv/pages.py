@@ -13,9 +13,10 @@ V: the hit cache that persists between decode steps), and int32 rows for the out
 chunk ids. A page holds ``page_bytes // row_bytes`` whole rows, so a row never straddles two
 pages and every row is addressed as (page, row in page).
 
-Decode reads every row of every request of the step through one index per field
-(``RequestPlan``/``BatchPlan``: built once per request and batch, shared by all layers) and
-writes back only the slots whose chunk changed.
+Every row is addressed by its element offset in the flat layer cache. Decode reads the rows of
+every request of the step with one ``index_select`` per field (the offsets: ``RequestPlan`` and
+``BatchPlan``, built once per request and batch, shared by all layers) and writes back only the
+slots whose chunk changed.
 """
 
 from __future__ import annotations
@@ -28,9 +29,6 @@ from vllm_shadowkv.core.compress import CompressedPrompt
 from vllm_shadowkv.core.decode import DecodeBatch
 from vllm_shadowkv.methods.base import KVShapes
 from vllm_shadowkv.methods.shadowkv.settings import ShadowKVSettings
-
-Index = tuple[torch.Tensor, ...]  # advanced index into a page view: (page ids, rows[, cols])
-
 
 @dataclass(frozen=True)
 class StateLayout:
@@ -57,15 +55,16 @@ class RequestPlan:
     prompt_len: int
     num_landmarks: int  # selectable landmarks per KV head
     exact_tokens: int
-    a_rows: torch.Tensor  # [T] int64: element offset of each A row in the flat layer cache
-    landmarks: Index  # [n_sel] rows of the landmark view
-    b: Index  # [h*r] state rows
-    exact_k: Index  # [h*E]
-    exact_v: Index
-    slot_k: Index  # [h*k*c]
-    slot_v: Index
-    outliers: Index  # [h*o] ints
-    slot_chunks: Index  # [h*k] ints
+    # int64 element offsets in the flat layer cache (int32 elements for the ids)
+    a_rows: torch.Tensor  # [T] A rows
+    landmark_rows: torch.Tensor  # [n_sel]
+    b: torch.Tensor  # [h*r] state rows
+    exact_k: torch.Tensor  # [h*E]
+    exact_v: torch.Tensor
+    slot_k: torch.Tensor  # [h*k*c]
+    slot_v: torch.Tensor
+    outliers: torch.Tensor  # [h*o] ids
+    slot_chunks: torch.Tensor  # [h*k] ids
 
 
 @dataclass(frozen=True)
@@ -76,20 +75,20 @@ class BatchPlan:
     a_rows: torch.Tensor  # [TA]
     a_positions: torch.Tensor  # [TA] int32
     a_start: torch.Tensor  # [B] int32
-    landmarks: Index  # [NL]
+    landmark_rows: torch.Tensor  # [NL]
     lm_start: torch.Tensor  # [B] int32
     lm_count: torch.Tensor  # [B] int32
     lm_request: torch.Tensor  # [NL] int64 request of each pooled landmark row
     lm_rank: torch.Tensor  # [NL] int64 its index among the request's landmarks
     max_landmarks: int
-    b: Index  # [B, h*r]
-    exact_k: Index  # [B, h, E_max] (short requests padded with their own first row)
-    exact_v: Index
+    b: torch.Tensor  # [B, h*r]
+    exact_k: torch.Tensor  # [B, h, E_max] (short requests padded with their own first row)
+    exact_v: torch.Tensor
     exact_len: torch.Tensor  # [B]
-    slot_k: Index  # [B, h*k*c]
-    slot_v: Index
-    outliers: Index  # [B, h*o]
-    slot_chunks: Index  # [B, h*k]
+    slot_k: torch.Tensor  # [B, h*k*c]
+    slot_v: torch.Tensor
+    outliers: torch.Tensor  # [B, h*o]
+    slot_chunks: torch.Tensor  # [B, h*k]
 
 
 @dataclass(frozen=True)
@@ -150,11 +149,6 @@ class ShadowKVPages:
         return -(-self.state(prompt_len).rows // self.rows_per_page)
 
     # -- views of a layer's pages (no copies) --------------------------------------------------
-    def _packed_elems(self) -> tuple[int, int]:
-        """Elements of A rows and of landmarks in one compressed page."""
-        bs, c = self.shapes.block_size, self.settings.chunk_size
-        return bs * self.settings.rank, (bs // c) * self.shapes.key_width
-
     def a_view(self, kv_cache: torch.Tensor) -> torch.Tensor:
         """Every r-element run of the flat layer cache as a row: A row t of a request is row
         ``RequestPlan.a_rows[t]`` (its element offset). Overlapping, read only."""
@@ -162,16 +156,29 @@ class ShadowKVPages:
         return torch.as_strided(flat, (flat.numel() - r + 1, r), (1, 1))
 
     def landmark_view(self, kv_cache: torch.Tensor) -> torch.Tensor:
-        """``[num_blocks, block_size / c, h_kv * d]``."""
-        a_elems, lm_elems = self._packed_elems()
-        pages = kv_cache.view(kv_cache.shape[0], -1)[:, a_elems: a_elems + lm_elems]
-        return pages.view(kv_cache.shape[0], -1, self.shapes.key_width)
+        """Every ``h_kv*d``-element run of the flat layer cache as a landmark row ``[h_kv, d]``:
+        a request's landmark row i is row ``RequestPlan.landmark_rows[i]``. Read only."""
+        flat, h, d = kv_cache.view(-1), self.shapes.num_kv_heads, self.shapes.head_size
+        return torch.as_strided(flat, (flat.numel() - h * d + 1, h, d), (1, d, 1))
 
-    def row_view(self, kv_cache: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """``[num_blocks, rows_per_page, row_bytes / itemsize]`` state rows as ``dtype``."""
-        m, rb = self.rows_per_page, self.row_bytes
-        raw = kv_cache.view(kv_cache.shape[0], -1).view(torch.uint8)[:, : m * rb]
-        return raw.view(kv_cache.shape[0], m, rb).view(dtype)
+    def read_rows(self, kv_cache: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """State rows at element ``offsets`` [...] -> [..., head_dim] (a copy)."""
+        flat, d = kv_cache.view(-1), self.shapes.head_size
+        rows = torch.as_strided(flat, (flat.numel() - d + 1, d), (1, 1))
+        return torch.index_select(rows, 0, offsets.flatten()).view(*offsets.shape, d)
+
+    def write_rows(self, kv_cache: torch.Tensor, offsets: torch.Tensor,
+                   data: torch.Tensor) -> None:
+        """``data`` [n, head_dim] into the state rows at element ``offsets`` [n]."""
+        page_elems, d = self.page_bytes // self.shapes.elem_bytes, self.shapes.head_size
+        pages = kv_cache.view(kv_cache.shape[0], -1)[:, : self.rows_per_page * d]
+        pages.view(kv_cache.shape[0], -1, d)[offsets // page_elems,
+                                             offsets % page_elems // d] = data
+
+    @staticmethod
+    def ids(kv_cache: torch.Tensor) -> torch.Tensor:
+        """The layer cache as flat int32 elements (where the id fields live)."""
+        return kv_cache.view(-1).view(torch.int32)
 
     # -- plans ---------------------------------------------------------------------------------
     def plan(self, prompt_len: int, region_ids: torch.Tensor) -> RequestPlan:
@@ -183,24 +190,28 @@ class ShadowKVPages:
         tokens = torch.arange(self.compressed_tokens(prompt_len), device=device)
         page_elems = self.page_bytes // self.shapes.elem_bytes
         a_rows = packed_ids[tokens // bs] * page_elems + tokens % bs * r
+        per_page = bs // c
         st = self.state(prompt_len)
         n_sel = tokens.numel() // c - st.num_outliers
         lm = torch.arange(n_sel, device=device)
-        m, ipr = self.rows_per_page, self.ints_per_row
+        m, ipr, d = self.rows_per_page, self.ints_per_row, self.shapes.head_size
 
-        def rows(first: int, count: int) -> Index:
+        def rows(first: int, count: int) -> torch.Tensor:
             at = first + torch.arange(count, device=device)
-            return state_ids[at // m], at % m
+            return state_ids[at // m] * page_elems + at % m * d
 
-        def ints(first: int, count: int) -> Index:
+        def ints(first: int, count: int) -> torch.Tensor:
             at = torch.arange(count, device=device)
             row = first + at // ipr
-            return state_ids[row // m], row % m, at % ipr
+            return (state_ids[row // m] * page_elems + row % m * d) * self.shapes.elem_bytes // 4 \
+                + at % ipr
 
         h_e, h_s = h * st.exact_tokens, h * st.num_slots * c
         return RequestPlan(
             prompt_len=prompt_len, num_landmarks=n_sel, exact_tokens=st.exact_tokens,
-            a_rows=a_rows, landmarks=(packed_ids[lm // (bs // c)], lm % (bs // c)),
+            a_rows=a_rows,
+            landmark_rows=(packed_ids[lm // per_page] * page_elems + bs * r
+                           + lm % per_page * self.shapes.key_width),
             b=rows(st.b, h * r), exact_k=rows(st.exact_k, h_e), exact_v=rows(st.exact_v, h_e),
             slot_k=rows(st.slot_k, h_s), slot_v=rows(st.slot_v, h_s),
             outliers=ints(st.outliers, h * st.num_outliers),
@@ -213,18 +224,14 @@ class ShadowKVPages:
         lm_counts = [p.num_landmarks for p in plans]
         e_max = max(p.exact_tokens for p in plans)
 
-        def stack(name: str) -> Index:
-            return tuple(torch.stack(parts) for parts in zip(*(getattr(p, name) for p in plans)))
+        def stack(name: str) -> torch.Tensor:
+            return torch.stack([getattr(p, name) for p in plans])
 
-        def padded_exact(name: str) -> Index:
+        def padded_exact(name: str) -> torch.Tensor:
             """[h, E] per request, padded with its first row (masked by exact_len)."""
-            out = []
-            for parts in zip(*(getattr(p, name) for p in plans)):
-                per = [t.view(h, -1) for t in parts]
-                out.append(torch.stack([torch.nn.functional.pad(t, (0, e_max - t.shape[1]),
-                                                                 value=int(t[0, 0]))
-                                        for t in per]))
-            return tuple(out)
+            per = [getattr(p, name).view(h, -1) for p in plans]
+            return torch.stack([torch.nn.functional.pad(t, (0, e_max - t.shape[1]),
+                                                        value=int(t[0, 0])) for t in per])
 
         lm_request = torch.repeat_interleave(torch.arange(len(plans), device=device),
                                              torch.tensor(lm_counts, device=device))
@@ -235,7 +242,7 @@ class ShadowKVPages:
             a_positions=torch.cat([torch.arange(n, dtype=torch.int32, device=device)
                                    for n in a_counts]),
             a_start=_starts(a_counts, device),
-            landmarks=tuple(torch.cat(parts) for parts in zip(*(p.landmarks for p in plans))),
+            landmark_rows=torch.cat([p.landmark_rows for p in plans]),
             lm_start=lm_start, lm_count=torch.tensor(lm_counts, dtype=torch.int32,
                                                      device=device),
             lm_request=lm_request,
@@ -251,21 +258,24 @@ class ShadowKVPages:
                          plan: RequestPlan, prompt: CompressedPrompt) -> None:
         """A freshly compressed prompt into its region: A rows and selectable landmarks in the
         compressed pages; B, outliers and the exact region in the state rows; empty slots."""
-        h, d = self.shapes.num_kv_heads, self.shapes.head_size
-        k, bs, r = self.settings.params.select_chunks, self.shapes.block_size, self.settings.rank
+        d, bs, r = self.shapes.head_size, self.shapes.block_size, self.settings.rank
         dtype, device = kv_cache.dtype, kv_cache.device
         packed_ids = region_ids[: self.packed_blocks(plan.prompt_len)].long()
         a_pages = kv_cache.view(kv_cache.shape[0], -1)[:, : bs * r].view(-1, bs, r)
         a = torch.zeros(len(packed_ids) * bs, r, dtype=dtype, device=device)
         a[: prompt.compressed_tokens] = prompt.a
         a_pages[packed_ids] = a.view(-1, bs, r)
-        self.landmark_view(kv_cache)[plan.landmarks] = prompt.landmarks.flatten(1).to(dtype)
-        rows, ints = self.row_view(kv_cache, kv_cache.dtype), self.row_view(kv_cache, torch.int32)
-        rows[plan.b] = prompt.b.reshape(-1, d)
-        rows[plan.exact_k] = prompt.exact_k.reshape(-1, d)
-        rows[plan.exact_v] = prompt.exact_v.reshape(-1, d)
-        ints[plan.outliers] = prompt.outliers.flatten().to(torch.int32)
-        ints[plan.slot_chunks] = torch.full((h * k,), -1, dtype=torch.int32, device=device)
+        per_page, kw = bs // self.settings.chunk_size, self.shapes.key_width
+        lm_pages = kv_cache.view(kv_cache.shape[0], -1)[:, bs * r: bs * r + per_page * kw]
+        lm = torch.arange(plan.num_landmarks, device=device)
+        lm_pages.view(-1, per_page, kw)[packed_ids[lm // per_page], lm % per_page] = (
+            prompt.landmarks.flatten(1).to(dtype))
+        self.write_rows(kv_cache, plan.b, prompt.b.reshape(-1, d))
+        self.write_rows(kv_cache, plan.exact_k, prompt.exact_k.reshape(-1, d))
+        self.write_rows(kv_cache, plan.exact_v, prompt.exact_v.reshape(-1, d))
+        ids = self.ids(kv_cache)
+        ids[plan.outliers] = prompt.outliers.flatten().to(torch.int32)
+        ids[plan.slot_chunks] = -1
 
     def load_batch(self, kv_cache: torch.Tensor, plan: BatchPlan, rope,
                    gen_k: torch.Tensor, gen_v: torch.Tensor, gen_len: torch.Tensor,
@@ -275,20 +285,22 @@ class ShadowKVPages:
         gen_k/gen_v ``[B, h, capacity, d]``: each request's generated tokens so far."""
         params, h, d = self.settings.params, self.shapes.num_kv_heads, self.shapes.head_size
         batch, c, k = len(plan.req_ids), params.chunk_size, params.select_chunks
-        rows, ints = self.row_view(kv_cache, kv_cache.dtype), self.row_view(kv_cache, torch.int32)
-        outliers = ints[plan.outliers].view(batch, h, -1)
+        ids = self.ids(kv_cache)
+        outliers = ids[plan.outliers].view(batch, h, -1)
         landmark_chunks = _selectable_chunk_ids(outliers, plan)
         return DecodeBatch(
             params=params, rope=rope.to(kv_cache.device), store_keys=[],
             a=self.a_view(kv_cache), a_rows=plan.a_rows, a_positions=plan.a_positions,
-            a_start=plan.a_start, b=rows[plan.b].view(batch, h, params.rank, d),
-            landmarks=self.landmark_view(kv_cache)[plan.landmarks].view(-1, h, d),
+            a_start=plan.a_start,
+            b=self.read_rows(kv_cache, plan.b).view(batch, h, params.rank, d),
+            landmarks=self.landmark_view(kv_cache), lm_rows=plan.landmark_rows,
             landmark_chunks=landmark_chunks, lm_start=plan.lm_start, lm_count=plan.lm_count,
             max_landmarks=plan.max_landmarks,
-            exact_k=rows[plan.exact_k], exact_v=rows[plan.exact_v], exact_len=plan.exact_len,
-            slot_chunks=ints[plan.slot_chunks].view(batch, h, k),
-            slot_k=rows[plan.slot_k].view(batch, h, k * c, d),
-            slot_v=rows[plan.slot_v].view(batch, h, k * c, d),
+            exact_k=self.read_rows(kv_cache, plan.exact_k),
+            exact_v=self.read_rows(kv_cache, plan.exact_v), exact_len=plan.exact_len,
+            slot_chunks=ids[plan.slot_chunks].view(batch, h, k),
+            slot_k=self.read_rows(kv_cache, plan.slot_k).view(batch, h, k * c, d),
+            slot_v=self.read_rows(kv_cache, plan.slot_v).view(batch, h, k * c, d),
             gen_k=gen_k, gen_v=gen_v, gen_len=gen_len,
         ), outliers
 
@@ -298,12 +310,11 @@ class ShadowKVPages:
         whose chunk changed (the misses just filled)."""
         n, h, k = batch.slot_chunks.shape
         c, d = self.settings.chunk_size, self.shapes.head_size
-        rows, ints = self.row_view(kv_cache, kv_cache.dtype), self.row_view(kv_cache, torch.int32)
-        ints[plan.slot_chunks] = batch.slot_chunks.view(n, -1)
+        self.ids(kv_cache)[plan.slot_chunks] = batch.slot_chunks.view(n, -1)
         filled = (batch.slot_chunks != before) & (batch.slot_chunks >= 0)  # [B, h, k]
-        for index, data in ((plan.slot_k, batch.slot_k), (plan.slot_v, batch.slot_v)):
-            picked = tuple(t.view(n, h, k, c)[filled] for t in index)
-            rows[picked] = data.view(n, h, k, c, d)[filled]
+        for offsets, data in ((plan.slot_k, batch.slot_k), (plan.slot_v, batch.slot_v)):
+            self.write_rows(kv_cache, offsets.view(n, h, k, c)[filled].flatten(),
+                            data.view(n, h, k, c, d)[filled].flatten(0, 1))
 
 
 def _starts(counts: list[int], device) -> torch.Tensor:

@@ -1,0 +1,89 @@
+"""CPU kernels of the decode step's two compute-heavy stages, compiled by torch.compile
+(inductor's C++ backend), with the signatures of their torch references in select.py and
+reconstruct.py.
+
+Eager torch spends these stages copying: the landmarks converted to fp32 and permuted before
+a matmul with four columns, the missed A rows gathered by advanced indexing, RoPE as a dozen
+elementwise passes. Here the rows are gathered by ``index_select`` (the fastest gather on the
+CPU; gathering inside the compiled loops measured 2x to 5x slower) and the rest is compiled:
+the scoring one fused pass over the gathered landmarks, the rebuild matmul + RoPE (measured in
+benchmarks/RESULTS.md). Tested against the references in tests/core/test_kernels.py.
+"""
+
+from __future__ import annotations
+
+import functools
+import shutil
+
+import torch
+
+from .rope import RopeCache, apply_rope
+
+
+@functools.cache
+def available() -> bool:
+    """Inductor's CPU backend compiles C++: a compiler must be on the path."""
+    return shutil.which("g++") is not None or shutil.which("c++") is not None
+
+
+def _compiled(fn):
+    return torch.compile(fn, dynamic=True, fullgraph=True)
+
+
+# Each dtype, head size and RoPE style is a graph of its own; a server sees one or two, the
+# tests a dozen. Past the limit dynamo would quietly run the functions eagerly.
+torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+
+
+@_compiled
+def _request_scores(q: torch.Tensor, landmarks: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [s_q, h_q, d]; landmarks [n, h_kv, d] -> [h_kv, n] (see select.landmark_scores).
+    One pass: the products, the softmax over landmarks and the reductions fused (an indirect
+    gather inside the compiled loop was 5x slower than gathering first)."""
+    s_q, h_q, head_dim = q.shape
+    h_kv = landmarks.shape[1]
+    qg = q.float().reshape(s_q, h_kv, h_q // h_kv, head_dim)
+    logits = (landmarks.float()[:, None, :, None, :] * qg[None]).sum(-1) * scale  # [n,s,h,g]
+    return torch.softmax(logits, dim=0).sum(dim=1).amax(dim=-1).T
+
+
+def landmark_scores(q, landmarks, lm_rows, lm_start, lm_count, max_count, scale):
+    batch = q.shape[0]
+    out = q.new_full((batch, landmarks.shape[1], max_count), -1.0, dtype=torch.float32)
+    for i, (start, count) in enumerate(zip(lm_start.tolist(), lm_count.tolist())):
+        if count:
+            rows = torch.index_select(landmarks, 0, lm_rows[start:start + count])
+            out[i, :, :count] = _request_scores(q[i], rows, scale)
+    return out
+
+
+@_compiled
+def _keys(rows: torch.Tensor, b: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
+          rotary_dim: int, neox: bool) -> torch.Tensor:
+    """A rows [B, h, n, r] times B [B, h, r, d], RoPE at ``positions`` [B, h, n] -> [B, h, n, d]
+    fp32. (Gathering the rows inside the compiled loop was 2x slower than index_select.)"""
+    keys = torch.matmul(rows.float(), b.float())
+    flat = keys.view(-1, 1, keys.shape[-1])
+    rope = RopeCache(cos_sin, rotary_dim, neox)
+    return apply_rope(flat, positions.reshape(-1), rope).view(keys.shape)
+
+
+def rebuild_keys(a, a_rows, a_positions, a_start, b, slot_chunks, miss_slots, miss_count, rope,
+                 slot_k):
+    batch, h_kv, k = slot_chunks.shape
+    c = slot_k.shape[2] // k
+    width = int(miss_count.max()) if miss_count.numel() else 0
+    if width == 0:
+        return
+    valid = torch.arange(width) < miss_count.unsqueeze(-1)  # [B, h, w]
+    slots = miss_slots[..., :width].long().clamp_min(0)
+    chunks = slot_chunks.long().gather(-1, slots).clamp_min(0)
+    offsets = torch.arange(c)
+    rows = a_start.long().view(-1, 1, 1, 1) + chunks.unsqueeze(-1) * c + offsets  # [B,h,w,c]
+    rows = torch.where(valid.unsqueeze(-1), rows, 0).flatten(2)  # [B, h, w*c]
+    a_picked = torch.index_select(a, 0, a_rows[rows].flatten()).view(*rows.shape, a.shape[1])
+    keys = _keys(a_picked, b, a_positions[rows], rope.cos_sin_cache, rope.rotary_dim,
+                 rope.is_neox_style)
+    dest = (slots.unsqueeze(-1) * c + offsets).flatten(2)  # [B, h, w*c]
+    bi, hi, ti = valid.unsqueeze(-1).expand(-1, -1, -1, c).flatten(2).nonzero(as_tuple=True)
+    slot_k[bi, hi, dest[bi, hi, ti]] = keys[bi, hi, ti].to(slot_k.dtype)
