@@ -11,6 +11,7 @@ PACKAGES = {
     "vllm_shadowkv.core": "vllm_shadowkv/core",
     "vllm_shadowkv.eval": "vllm_shadowkv/eval",
     "vllm_shadowkv.methods": "vllm_shadowkv/methods",
+    "vllm_shadowkv.methods.minikv": "vllm_shadowkv/methods/minikv",
     "vllm_shadowkv.methods.shadowkv": "vllm_shadowkv/methods/shadowkv",
     "vllm_shadowkv.store": "vllm_shadowkv/store",
     "vllm_shadowkv.triton_kernels": "triton_kernels",

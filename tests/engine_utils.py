@@ -18,6 +18,21 @@ PROMPTS = [
 ]
 
 
+def uses_host_store(method: str) -> bool:
+    """Whether the method keeps part of a compressed request in the host store (ShadowKV: the
+    values) or all of it in the pages (MiniKV), judged at the tiny model's shapes."""
+    import torch
+
+    from vllm_shadowkv.config import parse_settings
+    from vllm_shadowkv.methods import METHODS
+    from vllm_shadowkv.methods.base import KVShapes
+
+    cls = METHODS[method]
+    shapes = KVShapes(4, 64, torch.bfloat16, 16, num_layers=4, max_model_len=4096)
+    settings = parse_settings(cls.settings_cls, cls.covering_settings(256, 4096))
+    return cls(settings.resolved(shapes), shapes).store_bytes(0, 4096) > 0
+
+
 def engine_env() -> dict[str, str]:
     env = dict(os.environ)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")

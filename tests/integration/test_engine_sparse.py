@@ -5,7 +5,7 @@ import os
 import random
 
 import pytest
-from engine_utils import PROMPTS, assert_greedy_close, generate_in_fresh_process
+from engine_utils import PROMPTS, assert_greedy_close, generate_in_fresh_process, uses_host_store
 
 from vllm_shadowkv.methods import METHODS
 
@@ -78,7 +78,9 @@ def test_triton_kernel_path_in_the_engine_gives_the_torch_tokens(method, tiny_mo
     assert_greedy_close(runs["torch"]["batches"][0], runs["triton"]["batches"][0],
                         names=("torch", "triton"))
     (stats,) = runs["triton"]["stats"][0]["finished"].values()
-    assert stats["mode"] == "sparse" and stats["selected"] > stats["hits"] > 0
+    assert stats["mode"] == "sparse" and stats["selected"] > 0
+    if method == "shadowkv":  # its hit cache kept some chunks and rebuilt others
+        assert stats["selected"] > stats["hits"] > 0
 
 
 def _dir(tmp_path, name):
@@ -146,4 +148,5 @@ def test_tensor_parallel_ranks_each_compress_their_own_kv_heads(method, tiny_mod
         modes = sorted(s["mode"] for s in rank["finished"].values())
         assert modes == ["dense", "sparse"], modes
         store = rank["store"]
-        assert store["bytes_fetched"] > 0 and store["used_bytes"] == store["num_keys"] == 0
+        assert (store["bytes_fetched"] > 0) == uses_host_store(method)
+        assert store["used_bytes"] == store["num_keys"] == 0

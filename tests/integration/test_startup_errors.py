@@ -28,11 +28,21 @@ def test_defaults_are_accepted_and_stamped(tiny_model):
     assert stamp["store_bytes"] == 16 << 30
 
 
-@pytest.mark.parametrize("name", ["minikv", "TailorKV", "SPECACHE"])
+@pytest.mark.parametrize("name", ["TailorKV", "SPECACHE"])
 def test_a_method_not_built_yet_is_refused_with_the_built_ones(tiny_model, name):
     with pytest.raises(ValueError, match=f"--attention-backend {name.lower()} is not built yet; "
-                                         "available: shadowkv"):
+                                         "available: shadowkv, minikv"):
         engine_config(tiny_model, backend=name)
+
+
+def test_minikv_settings_are_checked_with_the_allowed_values(tiny_model):
+    stamp = engine_config(tiny_model, backend="MiniKV").additional_config[STAMP_KEY]
+    assert stamp["method"] == "minikv" and stamp["settings"]["bits"] == 2
+    with pytest.raises(ValueError, match="minikv.bits must be one of 2, 4, 16"):
+        engine_config(tiny_model, backend="minikv", additional_config={"minikv": {"bits": 8}})
+    with pytest.raises(ValueError, match=r"minikv.group_size \(24\) must divide the head size"):
+        engine_config(tiny_model, backend="minikv",
+                      additional_config={"minikv": {"group_size": 24, "residual": 48}})
 
 
 def test_settings_for_another_method_are_refused(tiny_model):

@@ -66,7 +66,8 @@ def test_method_table_and_planned_names():
     assert set(NAMES) == {"shadowkv", "minikv", "tailorkv", "specache"}
     assert method_class("ShadowKV") is METHODS["shadowkv"]
     for name in PLANNED:
-        with pytest.raises(SettingsError, match=f"{name} is not built yet; available: shadowkv"):
+        with pytest.raises(SettingsError,
+                           match=f"{name} is not built yet; available: shadowkv, minikv"):
             method_class(name)
 
 

@@ -10,7 +10,7 @@ compressed requests of the step, all of them in one call.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
 import torch
@@ -86,8 +86,11 @@ class EngineMetadata:
     query_start_loc: list[int]
     seq_lens: list[int]
     block_table: torch.Tensor  # [num_reqs, max_blocks]
-    write_blocks: torch.Tensor  # [num_actual_tokens] block id of each new token's K/V
-    write_slots: torch.Tensor  # [num_actual_tokens] exact slot in that page
+    write_blocks: torch.Tensor  # block id of each written token's K/V
+    write_slots: torch.Tensor  # exact slot in that page
+    # Rows written now (None: all num_actual_tokens): a step that overfills a method's
+    # generated-token ring has its later segments written by ``EngineImpl._run``.
+    write_rows: torch.Tensor | None = None
 
 
 class EngineMetadataBuilder(AttentionMetadataBuilder[EngineMetadata]):
@@ -112,20 +115,25 @@ class EngineMetadataBuilder(AttentionMetadataBuilder[EngineMetadata]):
         if len(req_ids) < num_reqs:  # a dummy batch: no real requests behind its rows
             req_ids, prompt_lens = [None] * num_reqs, list(seq_lens)
         block_table = m.block_table_tensor[:num_reqs]
-        blocks, slots = [], []
+        blocks, slots, rows, clipped = [], [], [], False
+        device = block_table.device
         for i in range(num_reqs):
-            q_len = query_start_loc[i + 1] - query_start_loc[i]
-            positions = torch.arange(seq_lens[i] - q_len, seq_lens[i], device=block_table.device)
+            first = seq_lens[i] - (query_start_loc[i + 1] - query_start_loc[i])
+            _, end = self.layout.ring_segments(prompt_lens[i], first, seq_lens[i])[0]
+            clipped |= end < seq_lens[i]
+            positions = torch.arange(first, end, device=device)
             b, s = self.layout.exact_token_slots(prompt_lens[i], block_table[i], positions)
             blocks.append(b)
             slots.append(s)
-        empty = torch.zeros(0, dtype=torch.long, device=block_table.device)
+            rows.append(positions - first + query_start_loc[i])
+        empty = torch.zeros(0, dtype=torch.long, device=device)
         return EngineMetadata(
             layout=self.layout, num_actual_tokens=m.num_actual_tokens, req_ids=req_ids,
             prompt_lens=prompt_lens, query_start_loc=query_start_loc, seq_lens=seq_lens,
             block_table=block_table,
             write_blocks=torch.cat(blocks) if blocks else empty,
             write_slots=torch.cat(slots) if slots else empty,
+            write_rows=torch.cat(rows) if clipped else None,
         )
 
 
@@ -187,9 +195,13 @@ class EngineImpl(AttentionImpl[EngineMetadata]):
             metadata = metadata[layer.layer_name]
         if metadata is None:
             return
-        n = metadata.num_actual_tokens
+        rows = metadata.write_rows
+        if rows is None:
+            key, value = key[:metadata.num_actual_tokens], value[:metadata.num_actual_tokens]
+        else:
+            key, value = key[rows], value[rows]
         write_exact(kv_cache, metadata.layout, metadata.write_blocks, metadata.write_slots,
-                    key[:n], value[:n])
+                    key, value)
 
     def forward(
         self,
@@ -217,7 +229,8 @@ class EngineImpl(AttentionImpl[EngineMetadata]):
         return output
 
     def _run(self, m: EngineMetadata, ctx: LayerContext, query, key, value, out) -> None:
-        """Each request in its phase; the compressed decodes of the step in one method call."""
+        """Each request in its phase; the compressed decodes of the step in one method call
+        (one per ring segment when a recomputed request overfills a method's ring)."""
         layout, kv_cache = ctx.layout, ctx.kv_cache
         method = layout.method
         decoding: list[RequestRows] = []
@@ -230,9 +243,17 @@ class EngineImpl(AttentionImpl[EngineMetadata]):
             sparse = req_id is not None and layout.is_sparse(req.prompt_len)
             if req_id is not None:
                 STATE.request(req_id, req.prompt_len, sparse)
-            if sparse and req.seq_len - (end - start) >= req.prompt_len:
+            first = req.seq_len - (end - start)
+            if sparse and first >= req.prompt_len:
                 decoding.append(req)
                 continue
+            if sparse and req.seq_len > req.prompt_len:
+                # A recomputed request's chunk past its prompt end: the generated tokens in it
+                # decode compressed, like when they were generated.
+                split = start + req.prompt_len - first
+                decoding.append(replace(req, start=split))
+                req = replace(req, end=split, seq_len=req.prompt_len)
+                start, end = req.start, req.end
             out[start:end] = exact_attention(kv_cache, layout, req.prompt_len, req.block_ids,
                                              req.seq_len, query[start:end], self.scale)
             if not sparse:
@@ -240,8 +261,29 @@ class EngineImpl(AttentionImpl[EngineMetadata]):
             method.prefill_chunk(ctx, req, query[start:end], key[start:end], value[start:end])
             if req.seq_len >= req.prompt_len:  # this step completed the prompt
                 self._finalize(ctx, req)
-        if decoding:
-            method.decode(ctx, decoding, query, key, value, out)
+        for segment, reqs in enumerate(self._ring_rounds(layout, decoding)):
+            if segment:  # later segments of a long step: their K/V go to the ring now
+                rows = torch.cat([torch.arange(r.start, r.end, device=key.device)
+                                  for r in reqs])
+                slots = [layout.exact_token_slots(r.prompt_len, r.block_ids, torch.arange(
+                    r.seq_len - (r.end - r.start), r.seq_len, device=key.device)) for r in reqs]
+                write_exact(kv_cache, layout, torch.cat([b for b, _ in slots]),
+                            torch.cat([s for _, s in slots]), key[rows], value[rows])
+            method.decode(ctx, reqs, query, key, value, out)
+
+    @staticmethod
+    def _ring_rounds(layout: PageLayout, decoding: list[RequestRows]) -> list[list[RequestRows]]:
+        """The decode calls of a step: every request's first ring segment, then the second
+        segments of the requests that have one, and so on."""
+        rounds: list[list[RequestRows]] = []
+        for req in decoding:
+            first = req.seq_len - (req.end - req.start)
+            for k, (a, b) in enumerate(layout.ring_segments(req.prompt_len, first, req.seq_len)):
+                if k == len(rounds):
+                    rounds.append([])
+                rounds[k].append(replace(req, start=req.start + a - first,
+                                         end=req.start + b - first, seq_len=b))
+        return rounds
 
     def _finalize(self, ctx: LayerContext, req: RequestRows) -> None:
         positions = torch.arange(req.prompt_len, device=ctx.kv_cache.device)

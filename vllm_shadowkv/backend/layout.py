@@ -112,6 +112,21 @@ class PageLayout:
                  + self.exact_blocks(ring))
         return block_ids[start: start + self.method.growth_blocks(prompt_len, num_generated)]
 
+    def ring_segments(self, prompt_len: int, first: int, end: int) -> list[tuple[int, int]]:
+        """Positions [first, end) of one request's step, cut after each position that fills
+        the generated-token ring (one segment without a ring). A step longer than the ring's
+        free slots (vLLM recomputing a preempted request) would overwrite tokens not folded
+        yet: the engine writes and decodes it one segment at a time."""
+        ring = self.method.generated_ring
+        if ring is None or not self.is_sparse(prompt_len) or end <= prompt_len + ring:
+            return [(first, end)]
+        cut = prompt_len + (max(first - prompt_len, 0) // ring + 1) * ring
+        segments = []
+        while cut < end:
+            segments.append((first, cut))
+            first, cut = cut, cut + ring
+        return segments + [(first, end)]
+
     def exact_token_slots(self, prompt_len: int, block_ids: torch.Tensor,
                           positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(block id, slot in page) of exact tokens at ``positions`` of one request: the prompt

@@ -8,14 +8,16 @@ engine tests iterate this table.
 from __future__ import annotations
 
 from vllm_shadowkv.methods.base import KVMethod, SettingsError
+from vllm_shadowkv.methods.minikv import MiniKVMethod
 from vllm_shadowkv.methods.shadowkv import ShadowKVMethod
 
 METHODS: dict[str, type[KVMethod]] = {
     ShadowKVMethod.name: ShadowKVMethod,
+    MiniKVMethod.name: MiniKVMethod,
 }
 # Names reserved for the methods of the project's papers that are not built yet: selecting one
 # is refused at start-up with the list of the built ones (not vLLM's "unknown backend").
-PLANNED = ("minikv", "tailorkv", "specache")
+PLANNED = ("tailorkv", "specache")
 NAMES = (*METHODS, *PLANNED)
 
 

@@ -148,8 +148,10 @@ class KVMethod(ABC):
     needs_rope: ClassVar[bool] = False  # refuse models without RoPE in every layer
     capacity_claim: ClassVar[tuple[dict[str, Any], float]]
     """The method's capacity claim: with these settings, at Llama-3.1-8B attention shapes and
-    128K-token prompts, vLLM's maximum concurrency is at least this many times its default
-    backend's at the same KV memory (checked by tests/integration/test_capacity.py)."""
+    prompts of each of ``capacity_lengths`` tokens, vLLM's maximum concurrency is at least this
+    many times its default backend's at the same KV memory (checked by
+    tests/integration/test_capacity.py)."""
+    capacity_lengths: ClassVar[tuple[int, ...]] = (131072,)
 
     @classmethod
     @abstractmethod
@@ -177,10 +179,12 @@ class KVMethod(ABC):
 
     # Generated tokens of a compressed request are exact by default, all of them. A method that
     # folds them into its own format (quantized groups) keeps only a ring of the last
-    # ``generated_ring`` exact and gets ``growth_blocks`` pages after the ring to fold into: at
-    # the step that fills the ring, its ``decode`` must fold the ring's tokens there (the next
-    # token overwrites the ring's first slot).
-    generated_ring: ClassVar[int | None] = None
+    # ``generated_ring`` exact (a class attribute, or set per instance from the settings) and
+    # gets ``growth_blocks`` pages after the ring to fold into: at the step that fills the ring,
+    # its ``decode`` must fold the ring's tokens there (the next token overwrites the ring's
+    # first slot). A decode call never goes past that step: a longer step (vLLM recomputing a
+    # preempted request) is written and decoded one ring segment at a time.
+    generated_ring: int | None = None
 
     def growth_blocks(self, prompt_len: int, num_generated: int) -> int:
         """Pages for generated tokens folded out of the ring (0 without a ring)."""

@@ -1,0 +1,94 @@
+"""The engine's step for a method with a generated-token ring (MiniKV), without vLLM's model
+runner: a recomputed request (vLLM's way back from preemption) prefills a chunk that crosses its
+prompt end with more generated tokens than the ring holds. The engine writes the first ring
+segment, decodes the generated rows compressed one ring segment at a time, and the result equals
+generating those tokens one step at a time."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from vllm_shadowkv.backend.attention import EngineImpl, EngineMetadataBuilder
+from vllm_shadowkv.backend.exact_attention import write_exact
+from vllm_shadowkv.backend.layout import PageLayout
+from vllm_shadowkv.backend.worker_state import STATE
+from vllm_shadowkv.methods.base import KVShapes, LayerContext
+from vllm_shadowkv.methods.minikv import MiniKVMethod, MiniKVSettings
+
+H, HQ, D, PROMPT, RESIDUAL = 2, 8, 64, 150, 16
+
+
+class Engine:
+    """Two layers' pages for one request, stepped through the engine's builder and ``_run``
+    (the same K/V in both layers; their pages differ under the pyramid)."""
+
+    def __init__(self, settings: MiniKVSettings, total: int, seed: int = 0, layers: int = 2):
+        shapes = KVShapes(H, D, torch.float32, 16, num_layers=layers, max_model_len=1024)
+        self.method = MiniKVMethod(settings, shapes)
+        self.layout = PageLayout(self.method)
+        g = torch.Generator().manual_seed(seed)
+        n = self.layout.blocks_needed(PROMPT, total)
+        self.block_ids = torch.randperm(n + 4, generator=g)[:n] + 1
+        self.q = torch.randn(total, HQ, D, generator=g)
+        self.k = torch.randn(total, H, D, generator=g)
+        self.v = torch.randn(total, H, D, generator=g)
+        self.ctxs = [LayerContext(index=layer, layout=self.layout, rope=None, store=None,
+                                  kv_cache=torch.zeros(n + 5, 1, 16,
+                                                       self.method.token_bytes(layer) // 4),
+                                  store_for=None, scale=D ** -0.5,
+                                  stats=STATE.requests.__getitem__, reference_kv={})
+                     for layer in range(layers)]
+        self.impl = SimpleNamespace(scale=D ** -0.5, _ring_rounds=EngineImpl._ring_rounds)
+        self.impl._finalize = lambda ctx, req: EngineImpl._finalize(self.impl, ctx, req)
+
+    def step(self, first: int, end: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Positions [first, end) of the request in one engine step; its output rows in each
+        layer and the rows the KV write covered."""
+        builder = EngineMetadataBuilder.__new__(EngineMetadataBuilder)
+        builder.layout = self.layout
+        n = end - first
+        common = SimpleNamespace(num_reqs=1, query_start_loc_cpu=torch.tensor([0, n]),
+                                 seq_lens=torch.tensor([end]), num_actual_tokens=n,
+                                 block_table_tensor=self.block_ids[None])
+        metadata = builder.build(0, common)
+        rows = metadata.write_rows
+        written = slice(first, end) if rows is None else rows + first
+        outs = []
+        for ctx in self.ctxs:
+            write_exact(ctx.kv_cache, self.layout, metadata.write_blocks, metadata.write_slots,
+                        self.k[written], self.v[written])
+            outs.append(torch.zeros(n, HQ, D))
+            EngineImpl._run(self.impl, metadata, ctx, self.q[first:end], self.k[first:end],
+                            self.v[first:end], outs[-1])
+        return torch.stack(outs, dim=1), rows
+
+
+@pytest.fixture
+def one_request(monkeypatch):
+    monkeypatch.setattr(STATE, "batch_requests", lambda num_reqs: (["r"], [PROMPT]))
+    yield
+    STATE.release(["r"])
+
+
+@pytest.mark.parametrize("bits, policy", [(2, "pyramid"), (16, "uniform")])
+def test_a_recomputed_chunk_past_the_ring_equals_step_by_step_generation(bits, policy,
+                                                                         one_request):
+    """(Under the uniform policy both layers share one plan: the first layer's decode extends
+    it before the second layer finalizes in the same step.)"""
+    settings = MiniKVSettings(bits=bits, layer_policy=policy, min_sparse_len=100,
+                              residual=RESIDUAL)
+    total = PROMPT + 5 * RESIDUAL + 7
+    stepwise, recomputed = Engine(settings, total), Engine(settings, total)
+    want = [stepwise.step(0, 100)[0], stepwise.step(100, PROMPT)[0]]
+    want += [stepwise.step(s - 1, s)[0] for s in range(PROMPT + 1, total - 4)]
+
+    got = [recomputed.step(0, 100)[0]]
+    crossing, rows = recomputed.step(100, PROMPT + 3 * RESIDUAL + 2)  # 50 generated tokens
+    assert rows.tolist() == list(range(PROMPT + RESIDUAL - 100))  # the first ring segment
+    got += [crossing, recomputed.step(PROMPT + 3 * RESIDUAL + 2, total - 5)[0]]
+    torch.testing.assert_close(torch.cat(got), torch.cat(want), atol=2e-5, rtol=2e-5)
+    # The ring after the long steps holds what step-by-step generation left there.
+    for s in range(total - 4, total + 1):
+        torch.testing.assert_close(recomputed.step(s - 1, s)[0], stepwise.step(s - 1, s)[0],
+                                   atol=2e-5, rtol=2e-5)

@@ -1,0 +1,276 @@
+"""MiniKV (2-bit layer-discriminative KV cache) on the shared engine: at prompt end each KV head
+keeps its heavy hitters (H2O column sums over the whole prompt) and the recent window, with a
+budget per layer, quantized KIVI-style into the pages; generated tokens collect in the engine's
+16-bit ring and are quantized every ``residual`` tokens. Decode attends the quantized groups
+(dequantization fused) and the 16-bit rows and ring exactly, merged by their LSE."""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_shadowkv.backend.exact_attention import causal_attention, exact_view
+from vllm_shadowkv.core import ops
+from vllm_shadowkv.core.attention import attention_with_lse, merge_attention
+from vllm_shadowkv.core.fidelity import chunk_attention_mass, measure_fidelity
+from vllm_shadowkv.core.heavy_hitters import accumulate_column_sums, select_heavy_hitters
+from vllm_shadowkv.core.kivi import quantize_groups
+from vllm_shadowkv.methods.base import KVMethod, KVShapes, LayerContext, RequestRows
+from vllm_shadowkv.methods.minikv.pages import BatchPlan, LayerShape, MiniKVPages, RequestPlan
+from vllm_shadowkv.methods.minikv.settings import EXACT_BITS, MiniKVSettings
+
+FIDELITY_TOP_TOKENS = 64  # recall of each KV head's most attended prompt tokens
+
+
+class MiniKVMethod(KVMethod):
+    name = "minikv"
+    settings_cls = MiniKVSettings
+    needs_rope = False  # post-RoPE keys are stored as they come
+    # The paper's defaults (§5.1): 2 bits, 25 % heavy hitters (pyramid) + 25 % recent window.
+    capacity_claim = ({}, 7.0)
+    capacity_lengths = (32768, 131072)
+
+    def __init__(self, settings: MiniKVSettings, shapes: KVShapes) -> None:
+        super().__init__(settings, shapes)
+        self.pages = MiniKVPages(settings, shapes)
+        self.generated_ring = settings.residual
+        # Worker-side state, dropped by ``release``: column sums of prompts being prefilled
+        # (transient, like their staging pages), plans of compressed requests, and with
+        # measure_fidelity the kept positions.
+        self._scores: dict[tuple[str, int], torch.Tensor] = {}
+        self._plans: dict[tuple[str, LayerShape], RequestPlan] = {}
+        self._batch_plans: dict[tuple, BatchPlan] = {}
+        self._ring_index: tuple[tuple, tuple] | None = None
+        self._kept: dict[tuple[str, int], torch.Tensor] = {}
+
+    @classmethod
+    def covering_settings(cls, key_width: int, context_len: int) -> dict:
+        # Every token kept in every layer (a recent window of the whole prompt), 16-bit; a ring
+        # of 4 so that short generations fold generated tokens (into 16-bit rows) too.
+        return {"bits": EXACT_BITS, "heavy_ratio": 0.0, "recent_ratio": 1.0, "group_size": 4,
+                "residual": 4}
+
+    # -- pages --------------------------------------------------------------------------------
+    def token_bytes(self, layer: int) -> int:
+        return self.pages.token_bytes(layer)
+
+    def is_sparse(self, prompt_len: int) -> bool:
+        return prompt_len >= self.settings.min_sparse_len
+
+    def region_blocks(self, prompt_len: int) -> int:
+        return self.pages.region_blocks(prompt_len)
+
+    def growth_blocks(self, prompt_len: int, num_generated: int) -> int:
+        return self.pages.growth_blocks(num_generated // self.settings.residual)
+
+    def store_bytes(self, layer: int, prompt_len: int) -> int:
+        return 0  # everything lives in the pages
+
+    def store_row_shape(self, layer: int) -> tuple[int, ...]:
+        return (self.shapes.head_size,)  # no host store is used
+
+    # -- hooks --------------------------------------------------------------------------------
+    def prefill_chunk(self, layer: LayerContext, req: RequestRows, query: torch.Tensor,
+                      key: torch.Tensor, value: torch.Tensor) -> None:
+        """Add the chunk's queries to the H2O column sums of every key so far."""
+        if sum(self.pages.kept(layer.index, req.prompt_len)) == req.prompt_len:
+            return  # the layer keeps the whole prompt: nothing to select
+        scores_key = (req.req_id, layer.index)
+        previous = self._scores.get(scores_key)
+        assert previous is not None or req.seq_len == req.end - req.start, (
+            "minikv: a prefill chunk without the column sums of the earlier ones")
+        keys = self._staged_keys(layer, req)
+        self._scores[scores_key] = accumulate_column_sums(previous, query, keys, layer.scale)
+
+    def finalize(self, layer: LayerContext, req: RequestRows, keys: torch.Tensor,
+                 values: torch.Tensor) -> None:
+        """Select the kept tokens per KV head and write them: quantized groups, then the
+        16-bit tail."""
+        prompt_len, h, d = req.prompt_len, self.shapes.num_kv_heads, self.shapes.head_size
+        heavy, recent = self.pages.kept(layer.index, prompt_len)
+        scores = self._scores.pop((req.req_id, layer.index), None)
+        if heavy + recent < prompt_len:
+            kept = select_heavy_hitters(scores, prompt_len, heavy, recent)
+        else:
+            kept = torch.arange(prompt_len, device=keys.device).expand(h, -1)
+        index = kept.unsqueeze(-1).expand(-1, -1, d)
+        k = keys.transpose(0, 1).gather(1, index)  # [h, kept, d], positions ascending
+        v = values.transpose(0, 1).gather(1, index)
+        shape = self.pages.shape(layer.index, prompt_len)
+        # The prompt's ids: a plan shared with an earlier layer may hold folds already (a
+        # recomputed request decodes generated tokens in the step that finalizes it).
+        plan = self.pages.upto(self._plan(layer, req, shape), 0)
+        quantized = shape.groups * self.settings.group_size
+        if shape.groups:
+            groups = quantize_groups(k[:, :quantized].transpose(0, 1),
+                                     v[:, :quantized].transpose(0, 1), self.pages.fmt)
+            self.pages.write_groups(layer.kv_cache, plan.units.t().flatten(), groups)
+        self.pages.write_rows(layer.kv_cache, plan.key_rows.flatten(), k[:, quantized:])
+        self.pages.write_rows(layer.kv_cache, plan.value_rows.flatten(), v[:, quantized:])
+        if self.settings.measure_fidelity:
+            self._kept[(req.req_id, layer.index)] = kept.cpu()
+
+    def decode(self, layer: LayerContext, reqs: list[RequestRows], query: torch.Tensor,
+               key: torch.Tensor, value: torch.Tensor, out: torch.Tensor) -> None:
+        by_rows: dict[int, list[RequestRows]] = {}
+        for req in reqs:  # one batch per query length (1 in plain decoding)
+            by_rows.setdefault(req.end - req.start, []).append(req)
+        for s_q, group in by_rows.items():
+            self._decode_batch(layer, group, s_q, query, key, value, out)
+
+    def release(self, req_id: str) -> None:
+        for table in (self._scores, self._plans, self._kept):
+            for k in [k for k in table if k[0] == req_id]:
+                del table[k]
+        self._batch_plans = {ids: plan for ids, plan in self._batch_plans.items()
+                             if all(entry[0] != req_id for entry in ids)}
+        self._ring_index = None
+
+    # -- decode -------------------------------------------------------------------------------
+    def _decode_batch(self, layer: LayerContext, reqs: list[RequestRows], s_q: int, query,
+                      key, value, out) -> None:
+        """One step of one layer for every request of ``reqs`` (``s_q`` query rows each)."""
+        n, h = len(reqs), self.shapes.num_kv_heads
+        rows = torch.tensor([i for r in reqs for i in range(r.start, r.end)],
+                            device=query.device)
+        q = query[rows].unflatten(0, (n, s_q))
+        plans = [self._caught_up_plan(layer, r, s_q) for r in reqs]
+        batch = self._batch_plan(reqs, plans)
+
+        # Exact part: the 16-bit rows (every query row sees them) and the ring (causal).
+        ring_k, ring_v, ring_mask = self._ring(layer, reqs, s_q)
+        pool = self.pages.row_pool(layer.kv_cache)
+        width = batch.key_rows.shape[2]
+        row_mask = torch.arange(width, device=q.device) < batch.row_count.view(-1, 1)
+        keys = torch.cat([pool[batch.key_rows], ring_k], dim=2)  # [B, h, T + R, d]
+        values = torch.cat([pool[batch.value_rows], ring_v], dim=2)
+        mask = torch.cat([row_mask.view(n, 1, 1, width).expand(-1, -1, s_q, -1), ring_mask], -1)
+        result, lse = attention_with_lse(q, keys, values, mask, layer.scale)
+        if self.pages.fmt is not None and int(batch.group_count.max()) > 0:
+            result = self._merge_quantized(layer, q, batch, result, lse)
+        out[rows] = result.flatten(0, 1)
+
+        ring = self.settings.residual
+        for i, (req, plan) in enumerate(zip(reqs, plans)):
+            if (req.seq_len - req.prompt_len) % ring == 0:  # this step filled the ring
+                self._fold(layer, req, plan, ring_k[i, :, :ring], ring_v[i, :, :ring])
+            stats = layer.stats(req.req_id)
+            stats.decode_steps += 1
+            stats.selected += h * sum(self.pages.kept(layer.index, req.prompt_len))
+            reference = layer.reference_kv.get((req.req_id, layer.index))
+            if reference is not None:
+                step = rows[i * s_q:(i + 1) * s_q]
+                self._record_fidelity(layer, req, reference, q[i], result[i], key[step],
+                                      value[step], stats)
+
+    def _merge_quantized(self, layer: LayerContext, q: torch.Tensor, batch: BatchPlan,
+                         out_exact: torch.Tensor, lse_exact: torch.Tensor) -> torch.Tensor:
+        """Attention over the quantized groups, merged with the exact part's. Each (request,
+        KV head) is one row of the group table: its query heads attend its own groups."""
+        n, s_q, hq, d = q.shape
+        h = self.shapes.num_kv_heads
+        per_head = q.view(n, s_q, h, hq // h, d).transpose(1, 2).reshape(n * h, s_q, hq // h, d)
+        out_q, lse_q = ops.quant_attention(per_head, self.pages.unit_pool(layer.kv_cache),
+                                           batch.group_table, batch.group_count,
+                                           self.pages.fmt, layer.scale)
+        out_q = out_q.view(n, h, s_q, hq // h, d).transpose(1, 2).reshape(n, s_q, hq, d)
+        lse_q = lse_q.view(n, h, s_q, hq // h).transpose(1, 2).reshape(n, s_q, hq)
+        out, _ = merge_attention([out_exact, out_q], [lse_exact, lse_q])
+        return out
+
+    def _ring(self, layer: LayerContext, reqs: list[RequestRows], s_q: int):
+        """The 16-bit generated tokens not folded yet, this step's included: K/V
+        ``[B, h, R, d]`` (position order, padded) and the causal mask ``[B, 1, s_q, R]``."""
+        key = tuple((r.req_id, r.seq_len) for r in reqs)
+        if self._ring_index is None or self._ring_index[0] != key:  # shared by the layers
+            self._ring_index = (key, self._ring_slots(layer, reqs, s_q))
+        blocks, slots, mask = self._ring_index[1]
+        kv = exact_view(layer.kv_cache, layer.layout)[blocks, slots]  # [B, R, 2, h, d]
+        kv = kv.permute(2, 0, 3, 1, 4)
+        return kv[0], kv[1], mask
+
+    def _ring_slots(self, layer: LayerContext, reqs: list[RequestRows], s_q: int):
+        ring, device = self.settings.residual, layer.kv_cache.device
+        blocks, slots, before = [], [], []
+        for r in reqs:
+            generated = r.seq_len - r.prompt_len
+            folded = (generated - s_q) // ring * ring
+            positions = torch.arange(r.prompt_len + folded, r.seq_len, device=device)
+            b, s = layer.layout.exact_token_slots(r.prompt_len, r.block_ids, positions)
+            blocks.append(b)
+            slots.append(s)
+            before.append(generated - folded - s_q)
+        blocks = torch.nn.utils.rnn.pad_sequence(blocks, batch_first=True)
+        slots = torch.nn.utils.rnn.pad_sequence(slots, batch_first=True)
+        # Key j of request b is visible to its query row i when j <= before[b] + i.
+        limit = torch.tensor(before, device=device).view(-1, 1, 1, 1) + torch.arange(
+            s_q, device=device).view(1, 1, -1, 1)
+        mask = torch.arange(blocks.shape[1], device=device) <= limit
+        return blocks, slots, mask
+
+    def _fold(self, layer: LayerContext, req: RequestRows, plan: RequestPlan,
+              ring_k: torch.Tensor, ring_v: torch.Tensor) -> None:
+        """The full ring ``[h, residual, d]`` into its growth pages (the next step appends its
+        ids to the plan)."""
+        generated = req.seq_len - req.prompt_len
+        growth = layer.layout.growth_ids(req.prompt_len, generated, req.block_ids)
+        ids = self.pages.fold_ids(plan.shape, growth, generated // self.settings.residual - 1)
+        if self.pages.fmt is not None:
+            groups = quantize_groups(ring_k.transpose(0, 1), ring_v.transpose(0, 1),
+                                     self.pages.fmt)
+            self.pages.write_groups(layer.kv_cache, ids, groups)
+        else:
+            key_ids, value_ids = ids.view(2, -1)
+            self.pages.write_rows(layer.kv_cache, key_ids, ring_k)
+            self.pages.write_rows(layer.kv_cache, value_ids, ring_v)
+
+    # -- where a batch's data is ----------------------------------------------------------------
+    def _plan(self, layer: LayerContext, req: RequestRows, shape: LayerShape) -> RequestPlan:
+        """Built once per request and layer shape (layers of one shape share it)."""
+        plan = self._plans.get((req.req_id, shape))
+        if plan is None:
+            region = layer.layout.region_ids(req.prompt_len, req.block_ids)
+            plan = self._plans[(req.req_id, shape)] = self.pages.plan(shape, region)
+        return plan
+
+    def _caught_up_plan(self, layer: LayerContext, req: RequestRows, s_q: int) -> RequestPlan:
+        """The request's plan with the ids of every fold before this step, and no later one."""
+        plan = self._plan(layer, req, self.pages.shape(layer.index, req.prompt_len))
+        generated = req.seq_len - s_q - req.prompt_len
+        folds = generated // self.settings.residual
+        if plan.folds < folds:
+            growth = layer.layout.growth_ids(req.prompt_len, generated, req.block_ids)
+            while plan.folds < folds:
+                self.pages.extend(plan, self.pages.fold_ids(plan.shape, growth, plan.folds))
+        return self.pages.upto(plan, folds)
+
+    def _batch_plan(self, reqs: list[RequestRows], plans: list[RequestPlan]) -> BatchPlan:
+        ids = tuple((r.req_id, p.shape, p.folds) for r, p in zip(reqs, plans))
+        plan = self._batch_plans.get(ids)
+        if plan is None:
+            if len(self._batch_plans) > 2 * self.shapes.num_layers:  # batches no longer run
+                self._batch_plans.clear()
+            plan = self._batch_plans[ids] = self.pages.batch_plan(plans)
+        return plan
+
+    def _staged_keys(self, layer: LayerContext, req: RequestRows) -> torch.Tensor:
+        """The exact keys ``[seq_len, h, d]`` of the prompt so far, from the staging pages."""
+        positions = torch.arange(req.seq_len, device=layer.kv_cache.device)
+        blocks, slots = layer.layout.exact_token_slots(req.prompt_len, req.block_ids, positions)
+        return exact_view(layer.kv_cache, layer.layout)[blocks, slots, 0]
+
+    def _record_fidelity(self, layer: LayerContext, req: RequestRows, reference, query, out,
+                         step_k, step_v, stats) -> None:
+        """Dense attention over the exact prompt and exact generated tokens (kept on the side
+        for this diagnostic) vs the compressed output, and the share of each KV head's most
+        attended prompt tokens that were kept."""
+        ref_k, ref_v = (torch.cat([t, s.cpu()]) for t, s in zip(reference, (step_k, step_v)))
+        layer.reference_kv[(req.req_id, layer.index)] = (ref_k, ref_v)
+        device = query.device
+        dense = causal_attention(query, ref_k.to(device), ref_v.to(device), layer.scale)
+        prompt_k = ref_k[: req.prompt_len].to(device)
+        mass = chunk_attention_mass(query, prompt_k, 1, layer.scale)  # per token
+        kept = self._kept[(req.req_id, layer.index)].to(device)
+        attended = torch.zeros_like(mass, dtype=torch.bool).scatter_(1, kept, True)
+        fid = measure_fidelity(out, dense, mass, attended,
+                               min(FIDELITY_TOP_TOKENS, req.prompt_len))
+        stats.record_fidelity(layer.index, fid.relative_error, fid.chunk_recall)

@@ -1,0 +1,89 @@
+"""The ``minikv`` settings: the paper's defaults (§5.1), and the per-layer budgets they imply.
+
+The prompt length from which a request is compressed is the engine's ``min_sparse_len`` (the
+issue's ``min_compress_len``): one threshold for every method, which the engine's tests set.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from vllm_shadowkv.core.heavy_hitters import layer_budgets
+from vllm_shadowkv.core.kivi import KiviFormat
+from vllm_shadowkv.methods.base import EngineSettings, KVShapes, SettingsError, at_least
+
+EXACT_BITS = 16  # "quantization off": kept tokens and folded generated tokens stay 16-bit
+BITS = (2, 4, EXACT_BITS)
+LAYER_POLICIES = ("pyramid", "uniform")
+
+
+@dataclass(frozen=True)
+class MiniKVSettings(EngineSettings):
+    method: ClassVar[str] = "minikv"
+
+    bits: int = 2
+    """Bits per quantized key and value (KIVI codes): 2 or 4; 16 turns quantization off (the
+    kept tokens and the folded generated tokens are stored 16-bit: exact attention over them)."""
+    group_size: int = 16
+    """Tokens per key group (one scale and zero per channel) and channels per value group (one
+    scale and zero per token); it must divide head_dim."""
+    residual: int = 128
+    """Generated tokens held 16-bit before they are quantized together (a multiple of
+    group_size)."""
+    heavy_ratio: float = 0.25
+    """Heavy hitters kept per KV head, as a share of the prompt: the mean over the layers."""
+    recent_ratio: float = 0.25
+    """Recent window kept per KV head in every layer, as a share of the prompt."""
+    layer_policy: str = "pyramid"
+    """How the heavy-hitter budget is spread over the layers: "pyramid" (linear in the layer,
+    the first layer largest, depth 7) or "uniform" (heavy_ratio in every layer)."""
+
+    def check(self) -> None:
+        super().check()
+        if self.bits not in BITS:
+            raise SettingsError(f"minikv.bits must be one of {', '.join(map(str, BITS))} "
+                                f"({EXACT_BITS}: no quantization), got {self.bits}")
+        at_least(self, "group_size", 1)
+        at_least(self, "residual", self.group_size)
+        if self.residual % self.group_size:
+            raise SettingsError(
+                f"minikv.residual ({self.residual}) must be a multiple of group_size "
+                f"({self.group_size}): generated tokens are quantized in whole groups")
+        for name in ("heavy_ratio", "recent_ratio"):
+            value = getattr(self, name)
+            if not 0.0 <= value <= 1.0:
+                raise SettingsError(f"minikv.{name} must be in [0, 1] (a share of the prompt), "
+                                    f"got {value}")
+        if self.heavy_ratio + self.recent_ratio <= 0.0:
+            raise SettingsError("minikv.heavy_ratio + minikv.recent_ratio must be > 0: a "
+                                "compressed prompt keeps some tokens")
+        if self.layer_policy not in LAYER_POLICIES:
+            raise SettingsError(
+                f"minikv.layer_policy must be one of {', '.join(map(repr, LAYER_POLICIES))}, "
+                f"got {self.layer_policy!r}")
+
+    def check_engine(self, shapes: KVShapes) -> None:
+        d = shapes.head_size
+        if d % self.group_size:
+            divisors = [g for g in range(1, d + 1) if d % g == 0]
+            raise SettingsError(
+                f"minikv.group_size ({self.group_size}) must divide the head size ({d}): "
+                f"values are quantized in groups of channels; allowed here: {divisors}")
+        if self.bits != EXACT_BITS and d % (32 // self.bits):
+            raise SettingsError(
+                f"minikv.bits {self.bits} packs {32 // self.bits} codes per int32 along the "
+                f"channels, which must divide the head size ({d}); use bits {EXACT_BITS}")
+
+    @property
+    def quantized(self) -> bool:
+        return self.bits != EXACT_BITS
+
+    def kivi_format(self, head_dim: int) -> KiviFormat:
+        assert self.quantized, "16 bits: nothing is quantized"
+        return KiviFormat(bits=self.bits, group=self.group_size, head_dim=head_dim,
+                          value_group=self.group_size, midpoint_one_bit=False)
+
+    def heavy_budgets(self, num_layers: int) -> list[float]:
+        """Heavy-hitter share of the prompt per layer (their mean is heavy_ratio)."""
+        return layer_budgets(num_layers, self.heavy_ratio, self.layer_policy)
