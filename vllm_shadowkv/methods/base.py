@@ -73,9 +73,10 @@ class EngineSettings:
     every budget: not for production) and record, per layer and decode step, the relative error
     of the compressed attention against dense attention. Generation is unchanged."""
     kernels: str = "auto"
-    """"auto": the Triton kernels on CUDA, their torch references elsewhere; "triton": the
-    kernels on any device (on the CPU only under TRITON_INTERPRET=1: the kernel path tested
-    inside the engine); "torch": the references everywhere."""
+    """"auto": the Triton kernels on CUDA, the compiled CPU kernels on the CPU (torch.compile;
+    the references without a C++ compiler); "triton": the Triton kernels on any device (on the
+    CPU only under TRITON_INTERPRET=1: the kernel path tested inside the engine); "torch": the
+    references everywhere."""
 
     def check(self) -> None:
         """Range checks that need no model; raise ``SettingsError`` naming the key."""
