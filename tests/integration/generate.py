@@ -2,7 +2,7 @@
 
 usage: generate.py REQUEST.json RESULT.json
 REQUEST: {"model", "attention_backend" (or null), "batches": [[prompt, ...], ...],
-          "max_tokens", "engine_kwargs": {...}}
+          "max_tokens", "ignore_eos" (optional), "engine_kwargs": {...}}
 RESULT:  {"backends": {layer: backend name}, "runner": {"class", "v1", ...},
           "batches": [[{"token_ids", "logprobs"}, ...], ...],
           "rank_backends": [{layer: backend name} of each rank],
@@ -31,7 +31,8 @@ if __name__ == "__main__":  # vLLM spawns its engine core: keep the entry point 
         **request.get("engine_kwargs", {}),
     )
     start_s = time.monotonic() - start
-    params = SamplingParams(temperature=0.0, max_tokens=request.get("max_tokens", 16), logprobs=5)
+    params = SamplingParams(temperature=0.0, max_tokens=request.get("max_tokens", 16), logprobs=5,
+                            ignore_eos=request.get("ignore_eos", False))
     rank_backends = llm.collective_rpc("kv_compression_backends")
     rank_runners = llm.collective_rpc("kv_compression_runner")
     result = {"backends": rank_backends[0], "rank_backends": rank_backends, "start_s": start_s,
