@@ -9,6 +9,7 @@ import sys
 import pytest
 import torch
 
+from vllm_shadowkv.core import cpu_kernels
 from vllm_shadowkv.core import quant_attention as torch_path
 from vllm_shadowkv.core.attention import attention_with_lse, merge_attention
 from vllm_shadowkv.core.kivi import (KiviFormat, QuantizedGroups, dequantize_groups, pack_codes,
@@ -237,6 +238,19 @@ def test_torch_path_in_blocks(case, dtype, monkeypatch):
     batch = len(case[-1])
     monkeypatch.setattr(torch_path, "BLOCK_TOKENS", 2 * case[0].group * batch)  # several blocks
     _check_attention(torch_path.quant_attention, case, dtype)
+
+
+# Each format and dtype compiles (about 20 s here): bits 1/2/4, GQA 1/4/8, empty requests,
+# query rows 1/2/9.
+@pytest.mark.skipif(not cpu_kernels.available(), reason="inductor needs a C++ compiler")
+@pytest.mark.parametrize("case, dtype", [
+    (ATTENTION_CASES[0], torch.float32), (ATTENTION_CASES[1], torch.bfloat16),
+    (ATTENTION_CASES[2], torch.bfloat16), (ATTENTION_CASES[5], torch.bfloat16)],
+    ids=lambda x: _case_id(x) if isinstance(x, tuple) else str(x).removeprefix("torch."))
+def test_compiled_cpu_kernel_in_blocks(case, dtype, monkeypatch):
+    batch = len(case[-1])
+    monkeypatch.setattr(torch_path, "BLOCK_TOKENS", 2 * case[0].group * batch)  # several blocks
+    _check_attention(cpu_kernels.quant_attention, case, dtype)
 
 
 @pytest.mark.parametrize("case", ATTENTION_CASES, ids=_case_id)

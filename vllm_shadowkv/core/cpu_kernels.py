@@ -1,6 +1,6 @@
-"""CPU kernels of the decode step's two compute-heavy stages, compiled by torch.compile
-(inductor's C++ backend), with the signatures of their torch references in select.py and
-reconstruct.py.
+"""CPU kernels of the decode steps' compute-heavy stages, compiled by torch.compile (inductor's
+C++ backend), with the signatures of their torch references in select.py, reconstruct.py and
+quant_attention.py (attention over KIVI groups, MiniKV: about 5x the blocked torch path).
 
 Eager torch spends these stages copying: the landmarks converted to fp32 and permuted before
 a matmul with four columns, the missed A rows gathered by advanced indexing, RoPE as a dozen
@@ -87,3 +87,75 @@ def rebuild_keys(a, a_rows, a_positions, a_start, b, slot_chunks, miss_slots, mi
     dest = (slots.unsqueeze(-1) * c + offsets).flatten(2)  # [B, h, w*c]
     bi, hi, ti = valid.unsqueeze(-1).expand(-1, -1, -1, c).flatten(2).nonzero(as_tuple=True)
     slot_k[bi, hi, dest[bi, hi, ti]] = keys[bi, hi, ti].to(slot_k.dtype)
+
+
+@functools.cache
+def _quant_block(bits: int):
+    """The compiled attention over one block of gathered groups, for ``bits``-bit codes. The
+    bit widths must be constants of the graph: symbolic (an argument, or a closure under
+    ``dynamic=True``) they made the unpacking 10x slower; ``dynamic=None`` still makes the
+    sizes dynamic once they change."""
+    per_word, code_mask = 32 // bits, (1 << bits) - 1
+
+    @functools.partial(torch.compile, dynamic=None, fullgraph=True)
+    def block(q: torch.Tensor, key_codes: torch.Tensor, key_scale: torch.Tensor,
+              key_zero: torch.Tensor, value_codes: torch.Tensor, value_scale: torch.Tensor,
+              value_zero: torch.Tensor, valid: torch.Tensor, scale: float):
+        """q [R, s, g, d]; the gathered groups of each row: codes [R, n, T, W], key
+        scale/zero [R, n, d], value scale/zero [R, n, T, d / vg]; valid [R, n * T]. -> out
+        [R, s, g, d] fp32, lse [R, s, g]. Unpacking and dequantization are fused into the two
+        reductions (written as sums, not matmuls: the dequantized K/V never reach memory)."""
+        rows, n, tokens, _ = key_codes.shape
+        head_dim = q.shape[-1]
+        shifts = torch.arange(per_word, device=q.device, dtype=torch.int32) * bits
+        codes = ((key_codes.unsqueeze(-1) >> shifts) & code_mask).view(rows, n, tokens, head_dim)
+        k = codes.float() * key_scale.float().unsqueeze(2) + key_zero.float().unsqueeze(2)
+        logits = (q.float()[:, :, :, None, None, :] * k[:, None, None]).sum(-1).flatten(-2)
+        logits = (logits * scale).masked_fill(~valid[:, None, None, :], float("-inf"))
+        row_max = logits.amax(-1, keepdim=True)
+        row_max = torch.where(torch.isinf(row_max), torch.zeros_like(row_max), row_max)
+        p = torch.exp(logits - row_max)
+        denom = p.sum(-1, keepdim=True)
+        groups = value_scale.shape[-1]
+        codes = ((value_codes.unsqueeze(-1) >> shifts) & code_mask).view(
+            rows, n, tokens, groups, head_dim // groups)
+        v = codes.float() * value_scale.float().unsqueeze(-1) + value_zero.float().unsqueeze(-1)
+        out = (p[..., None] * v.view(rows, 1, 1, n * tokens, head_dim)).sum(-2)
+        out = out / denom.clamp_min(torch.finfo(torch.float32).tiny)
+        return out, (row_max + torch.log(denom)).squeeze(-1)  # log(0) = -inf: no keys
+
+    return block
+
+
+def quant_attention(q, groups, group_table, group_count, fmt, scale):
+    """Same contract as core.quant_attention.quant_attention; blocks of groups gathered by
+    ``index_select`` and attended by one compiled pass each, merged by LSE."""
+    from .attention import merge_attention
+    from .quant_attention import BLOCK_TOKENS
+
+    batch, s_q, h_q, head_dim = q.shape
+    h_kv = groups.key_codes.shape[1]
+    width = int(group_count.max()) if batch else 0
+    if width == 0:
+        return torch.zeros_like(q), q.new_full(q.shape[:3], float("-inf"), dtype=torch.float32)
+    rows = q.view(batch, s_q, h_kv, h_q // h_kv, head_dim).transpose(1, 2).reshape(
+        batch * h_kv, s_q, h_q // h_kv, head_dim)  # one row per (request, KV head)
+    n_pool = groups.key_codes.shape[0]
+    block = max(1, BLOCK_TOKENS // (fmt.group * batch))
+    outs, lses = [], []
+    for j0 in range(0, width, block):
+        cols = torch.arange(j0, min(j0 + block, width))
+        ids = group_table[:, cols].long().clamp(0, n_pool - 1).flatten()
+        picked = []
+        for field in groups:  # [B * n, h_kv, ...] -> [B * h_kv, n, ...]
+            part = torch.index_select(field, 0, ids).unflatten(0, (batch, -1)).transpose(1, 2)
+            picked.append(part.reshape(batch * h_kv, len(cols), *field.shape[2:]))
+        valid = (cols < group_count.view(-1, 1)).repeat_interleave(fmt.group, dim=1)
+        out, lse = _quant_block(fmt.bits)(rows, *picked, valid.repeat_interleave(h_kv, dim=0),
+                                          scale)
+        outs.append(out)
+        lses.append(lse)
+    out, lse = merge_attention(outs, lses)
+    out = out.view(batch, h_kv, s_q, h_q // h_kv, head_dim).transpose(1, 2)
+    lse = lse.view(batch, h_kv, s_q, h_q // h_kv).transpose(1, 2)
+    return out.reshape(q.shape).to(q.dtype), lse.reshape(batch, s_q, h_q)

@@ -76,5 +76,6 @@ def scatter_values(staging, staging_start, miss_slots, miss_count, slot_v):
 
 
 def quant_attention(q, groups, group_table, group_count, fmt, scale):
-    impl = _kernels("quant_kernels") if _use_triton(q) else quant_path
+    impl = (_kernels("quant_kernels") if _use_triton(q)
+            else cpu_kernels if _compiled_cpu(q) else quant_path)
     return impl.quant_attention(q, groups, group_table, group_count, fmt, scale)
