@@ -7,7 +7,13 @@ min_sparse_len 1024 (every task prompt decodes sparsely; the runner fails if one
 and the naive baseline ``sink_recent@1.56%``: the same number of attended tokens, taken as the
 first chunk plus the most recent chunks instead of by landmark selection.
 
-    VLLM_CPU_KVCACHE_SPACE=2 python benchmarks/accuracy.py [--shadowkv] [--out DIR] [run.py options]
+With ``--minikv``: MiniKV at its defaults (2-bit KIVI, 25 % heavy hitters + 25 % recent window,
+pyramid), which is also the same KV bytes as shadowkv at 1.56 % with the paper's rank share
+(160 of 1024 key channels; 16.7 % vs 16.4-18.0 % of dense on the fixture and SmolLM2), the
+recent-window-only baseline at the same bytes (heavy 0 %, recent 50 %), and both again at a
+tighter 10 % of the prompt (heavy 5 % + recent 5 % vs recent 10 %), every prompt compressed.
+
+    VLLM_CPU_KVCACHE_SPACE=2 python benchmarks/accuracy.py [--shadowkv] [--minikv] [--out DIR] [run.py options]
 
 Any further option goes to ``python -m vllm_shadowkv.eval.run`` (later options win, e.g.
 ``--lengths 4096``, or ``--model``/``--tokenizer``/``--chat`` for a real model on a GPU machine).
@@ -25,22 +31,31 @@ from vllm_shadowkv.eval.retrieval_model import FIXTURE
 BUDGETS = ("1.56%", "3%", "6%")
 BASELINES = ("sink_recent@1.56%",)
 SHADOWKV_SETTINGS = {"rank": 160, "chunk_size": 8, "local_window": 32, "min_sparse_len": 1024}
+MINIKV = {"minikv": {}, "recent@50%": {"heavy_ratio": 0.0, "recent_ratio": 0.5},
+          "minikv@10%": {"heavy_ratio": 0.05, "recent_ratio": 0.05},
+          "recent@10%": {"heavy_ratio": 0.0, "recent_ratio": 0.1}}
 ENGINE_ARGS = {"enable_prefix_caching": False}
 
 
-def backends(shadowkv: bool) -> list[str]:
-    return ["default"] + ([f"shadowkv@{b}" for b in BUDGETS] + list(BASELINES) if shadowkv else [])
+def backends(shadowkv: bool, minikv: bool) -> list[str]:
+    out = ["default"]
+    if shadowkv:
+        out += [f"shadowkv@{b}" for b in BUDGETS] + list(BASELINES)
+    if minikv:
+        out += [f"{label}=minikv:" + json.dumps({**s, "min_sparse_len": 1024})
+                for label, s in MINIKV.items()]
+    return out
 
 
 def argv_for(argv: list[str]) -> list[str]:
-    shadowkv = "--shadowkv" in argv
-    rest = [a for a in argv if a != "--shadowkv"]
+    shadowkv, minikv = "--shadowkv" in argv, "--minikv" in argv
+    rest = [a for a in argv if a not in ("--shadowkv", "--minikv")]
     defaults = ["--model", str(FIXTURE), "--tasks", ",".join(tasks.NIAH_TASKS),
                 "--lengths", "4096,8192", "--depths", "0,0.25,0.5,0.75,1", "--samples", "1",
                 "--enforce-eager", "--shadowkv-settings", json.dumps(SHADOWKV_SETTINGS),
                 "--engine-args", json.dumps(ENGINE_ARGS),
                 "--out", str(Path(__file__).parent / "accuracy")]
-    return defaults + ["--backends", *backends(shadowkv)] + rest
+    return defaults + ["--backends", *backends(shadowkv, minikv)] + rest
 
 
 if __name__ == "__main__":

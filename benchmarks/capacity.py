@@ -1,8 +1,8 @@
-"""KV capacity as vLLM itself reports it: default backend vs shadowkv, same KV memory, one run.
+"""KV capacity as vLLM itself reports it: the default backend vs each method, same KV memory, one run.
 
   VLLM_CPU_KVCACHE_SPACE=8 .venv/bin/python benchmarks/capacity.py
 
-For each backend and each request length L (32K, 64K, 128K) an engine is started on the
+For each backend (default, shadowkv, minikv) and each request length L (32K, 64K, 128K) an engine is started on the
 llama8b-shape model (Llama-3.1-8B attention shapes: 32 q / 8 KV heads, head_dim 128) with
 ``max_model_len=L``, in a fresh process, in-process engine core (VLLM_ENABLE_V1_MULTIPROCESSING=0).
 No prompt is run: capacity is decided when the engine sizes its KV cache. Read from the engine
@@ -16,8 +16,9 @@ objects, not from log text:
   the scheduler's KV cache config, for every L, in every engine (a consistency check: the pool
   does not depend on max_model_len, so the 128K engine predicts the 32K engine's figure).
 
-shadowkv settings are the paper's defaults (rank 160, chunk 8, budget 2048, 48 outlier chunks,
-local window 32). Writes benchmarks/capacity/capacity.json and capacity.png.
+Method settings are each paper's defaults: shadowkv rank 160, chunk 8, budget 2048, 48 outlier
+chunks, local window 32; minikv its defaults (2-bit KIVI groups of 16, 25 % heavy hitters + 25 %
+recent window, pyramid layer budgets). Writes benchmarks/capacity/capacity.json and capacity.png.
 """
 
 from __future__ import annotations
@@ -36,9 +37,10 @@ from pathlib import Path
 
 OUT_DIR = Path(__file__).resolve().parent / "capacity"
 LENGTHS = (32768, 65536, 131072)
-PAPER_SETTINGS = {"rank": 160, "chunk_size": 8, "sparse_budget": 2048, "outlier_chunks": 48,
-                  "local_window": 32}
-BACKENDS = ("default", "shadowkv")
+PAPER_SETTINGS = {"shadowkv": {"rank": 160, "chunk_size": 8, "sparse_budget": 2048,
+                               "outlier_chunks": 48, "local_window": 32},
+                  "minikv": {}}
+BACKENDS = ("default", "shadowkv", "minikv")
 DESIGN_TARGET = 6.0  # the design contract: at least 6x the default's for long prompts (128K)
 
 
@@ -69,8 +71,8 @@ def engine_capacity(model: str, backend: str, max_model_len: int, settings: dict
     from vllm.utils.math_utils import cdiv
 
     kwargs = {}
-    if backend == "shadowkv":
-        kwargs = {"attention_backend": "shadowkv", "additional_config": {"shadowkv": settings}}
+    if backend != "default":
+        kwargs = {"attention_backend": backend, "additional_config": {backend: settings}}
     start = time.perf_counter()
     llm = LLM(model=model, max_model_len=max_model_len, enable_prefix_caching=False,
               enforce_eager=True, seed=0, **kwargs)
@@ -94,6 +96,8 @@ def engine_capacity(model: str, backend: str, max_model_len: int, settings: dict
         "scheduler_pool_blocks": pool.num_gpu_blocks,
         "kv_slots": cache_config.num_gpu_blocks * cache_config.block_size,
         "page_size_bytes_per_layer": spec.page_size_bytes,
+        # one block over every layer (a method's layers may have pages of different sizes)
+        "block_bytes": sum(t.block_stride * len(t.layers) for t in kv_cache_config.kv_cache_tensors),
         "kv_cache_size_tokens": cache_config.kv_cache_size_tokens,  # vLLM's logged figure
         "max_concurrency": cache_config.kv_cache_max_concurrency,  # vLLM's logged figure
         "blocks_per_request": cdiv(spec.max_memory_usage_bytes(vllm_config), spec.page_size_bytes),
@@ -101,23 +105,21 @@ def engine_capacity(model: str, backend: str, max_model_len: int, settings: dict
                                  for n in lengths},
         "startup_s": round(startup_s, 1),
     }
-    if backend == "shadowkv":
+    if backend != "default":
         layout = spec.layout
         store_bytes = layout.store_bytes(max_model_len)
         store_capacity = spec.stamp.store_bytes
-        result["shadowkv"] = {
+        result["method"] = {
             "settings": spec.stamp.settings.as_dict(),
-            # a compressed token: A row + landmark share
-            "slot_bytes_per_layer": layout.page_bytes // layout.block_size,
+            "token_bytes_per_layer": [layout.method.token_bytes(i) for i in range(num_layers)],
             "exact_token_bytes_per_layer": layout.exact_token_bytes,
             "exact_tokens_per_page": layout.exact_per_page,
-            "packed_blocks": layout.method.pages.packed_blocks(max_model_len),
-            "state_blocks": layout.method.pages.state_blocks(max_model_len),
+            "region_blocks": layout.region_blocks(max_model_len),
             "steady_blocks": layout.steady_blocks(max_model_len),
             "staging_blocks": layout.exact_blocks(max_model_len),
             "peak_blocks": layout.peak_blocks(max_model_len),
-            "value_store_bytes_per_request": store_bytes,
-            "value_store_capacity_bytes": store_capacity,
+            "store_bytes_per_request": store_bytes,
+            "store_capacity_bytes": store_capacity,
             "store_bound_concurrency": store_capacity // store_bytes if store_bytes else None,
         }
     return result
@@ -149,45 +151,46 @@ def run_child(model: str, backend: str, length: int, settings: dict, lengths, ou
 
 def admissible(engine: dict) -> int:
     """Most whole requests of max_model_len tokens that fit in the pool at once: vLLM's figure
-    counts the null block and fractional requests; shadowkv's peak (exact staging of the last
+    counts the null block and fractional requests; a method's peak (exact staging of the last
     prompt admitted, ``max_staging_requests`` = 1) must fit next to the others' steady pages."""
     usable = engine["num_gpu_blocks"] - 1
     if engine["backend"] == "default":
         return usable // engine["blocks_per_request"]
-    skv = engine["shadowkv"]
-    if usable < skv["peak_blocks"]:
+    method = engine["method"]
+    if usable < method["peak_blocks"]:
         return 0
-    return 1 + (usable - skv["peak_blocks"]) // skv["steady_blocks"]
+    return 1 + (usable - method["peak_blocks"]) // method["steady_blocks"]
 
 
-def summarize(engines: list[dict], lengths) -> list[dict]:
+def summarize(engines: list[dict], lengths, backends) -> list[dict]:
+    """One row per length: each backend's figures, the methods' also as ratios to the default."""
     by = {(e["backend"], e["max_model_len"]): e for e in engines}
     rows = []
     for n in lengths:
-        d, s = by[("default", n)], by[("shadowkv", n)]
-        rows.append({
-            "length": n,
-            "default_concurrency": d["max_concurrency"],
-            "shadowkv_concurrency": s["max_concurrency"],
-            "concurrency_ratio": s["max_concurrency"] / d["max_concurrency"],
-            "default_kv_size_tokens": d["kv_cache_size_tokens"],
-            "shadowkv_kv_size_tokens": s["kv_cache_size_tokens"],
-            "default_kv_slots": d["kv_slots"],
-            "shadowkv_kv_slots": s["kv_slots"],
-            "slots_ratio": s["kv_slots"] / d["kv_slots"],
-            "default_blocks_per_request": d["blocks_per_request"],
-            "shadowkv_blocks_per_request": s["blocks_per_request"],
-            "default_mib_per_request": d["blocks_per_request"] * d["page_size_bytes_per_layer"]
-            * d["num_layers"] / 2**20,
-            "shadowkv_mib_per_request": s["blocks_per_request"] * s["page_size_bytes_per_layer"]
-            * s["num_layers"] / 2**20,
-            "shadowkv_store_bound_concurrency": s["shadowkv"]["store_bound_concurrency"],
-            # Requests the block manager can hold at once (whole requests, null block excluded;
-            # shadowkv: the last one admitted still needs its exact staging pages).
-            "default_admissible": admissible(d),
-            "shadowkv_admissible": admissible(s),
-            "admissible_ratio": admissible(s) / max(admissible(d), 1),
-        })
+        row = {"length": n}
+        default = by[("default", n)]
+        for backend in backends:
+            e = by[(backend, n)]
+            figures = {
+                "concurrency": e["max_concurrency"],
+                "kv_size_tokens": e["kv_cache_size_tokens"],
+                "kv_slots": e["kv_slots"],
+                "blocks_per_request": e["blocks_per_request"],
+                "mib_per_request": e["blocks_per_request"] * e["block_bytes"] / 2**20,
+                # Requests the block manager can hold at once (whole requests, null block
+                # excluded; a method's last one admitted still needs its exact staging pages).
+                "admissible": admissible(e),
+            }
+            if backend != "default":
+                figures |= {
+                    "concurrency_ratio": e["max_concurrency"] / default["max_concurrency"],
+                    "slots_ratio": e["kv_slots"] / default["kv_slots"],
+                    "admissible_ratio": admissible(e) / max(admissible(default), 1),
+                    "store_mib_per_request": e["method"]["store_bytes_per_request"] / 2**20,
+                    "store_bound_concurrency": e["method"]["store_bound_concurrency"],
+                }
+            row[backend] = figures
+        rows.append(row)
     return rows
 
 
@@ -217,42 +220,44 @@ def _cpu_name() -> str:
     return names[0] if names else "unknown CPU"
 
 
-def plot(rows: list[dict], meta: dict, path: Path) -> None:
+COLORS = {"default": "#888888", "shadowkv": "#1f77b4", "minikv": "#ff7f0e"}
+
+
+def plot(rows: list[dict], backends, meta: dict, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     labels = [f"{r['length'] // 1024}K" for r in rows]
-    x = range(len(rows))
-    width = 0.38
+    methods = [b for b in backends if b != "default"]
+    width = 0.8 / len(backends)
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
-    d = [r["default_concurrency"] for r in rows]
-    s = [r["shadowkv_concurrency"] for r in rows]
-    ax1.bar([i - width / 2 for i in x], d, width, label="default (CPU_ATTN)", color="#888888")
-    ax1.bar([i + width / 2 for i in x], s, width, label="shadowkv", color="#1f77b4")
-    for i, r in enumerate(rows):
-        ax1.text(i + width / 2, s[i], f"{r['concurrency_ratio']:.2f}x", ha="center", va="bottom",
-                 fontsize=9)
-    ax1.set_xticks(list(x), labels)
+    for j, backend in enumerate(backends):
+        xs = [i + (j - (len(backends) - 1) / 2) * width for i in range(len(rows))]
+        ax1.bar(xs, [r[backend]["concurrency"] for r in rows], width, label=backend,
+                color=COLORS.get(backend))
+    ax1.set_xticks(range(len(rows)), labels)
     ax1.set_xlabel("tokens per request (max_model_len)")
     ax1.set_ylabel("vLLM max concurrency (requests)")
     ax1.set_title("Maximum concurrency, same KV memory")
     ax1.legend()
-    ratios = [r["concurrency_ratio"] for r in rows]
-    ax2.bar(list(x), ratios, 0.5, color="#1f77b4")
+    width = 0.8 / len(methods)
+    for j, method in enumerate(methods):
+        xs = [i + (j - (len(methods) - 1) / 2) * width for i in range(len(rows))]
+        ratios = [r[method]["concurrency_ratio"] for r in rows]
+        ax2.bar(xs, ratios, width, label=method, color=COLORS.get(method))
+        for x, v in zip(xs, ratios):
+            ax2.text(x, v, f"{v:.2f}x", ha="center", va="bottom", fontsize=8)
     ax2.axhline(DESIGN_TARGET, color="red", linestyle="--",
                 label=f"design target {DESIGN_TARGET:g}x")
-    ax2.axhline(rows[-1]["slots_ratio"], color="gray", linestyle=":",
-                label=f"pool slots ratio {rows[-1]['slots_ratio']:.2f}x")
-    for i, v in enumerate(ratios):
-        ax2.text(i, v, f"{v:.2f}x", ha="center", va="bottom", fontsize=9)
-    ax2.set_xticks(list(x), labels)
-    ax2.set_ylabel("shadowkv / default")
-    ax2.set_title("Concurrency ratio")
+    ax2.set_xticks(range(len(rows)), labels)
+    ax2.set_ylabel("method / default")
+    ax2.set_title("Concurrency ratio to the default backend")
     ax2.legend(loc="lower right")
-    fig.suptitle(f"KV capacity, {meta['model']} ({meta['kv_cache_gib']} GiB KV cache, "
-                 f"rank 160, chunk 8, budget 2048, 48 outliers)", fontsize=10)
+    fig.suptitle(f"KV capacity by vLLM's accounting, {meta['model']} "
+                 f"({meta['kv_cache_gib']} GiB KV cache, each method at its paper's defaults)",
+                 fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -262,8 +267,10 @@ def main() -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", default=",".join(map(str, LENGTHS)))
     parser.add_argument("--out", type=Path, default=OUT_DIR)
+    parser.add_argument("--backends", default=",".join(BACKENDS),
+                        help="comma-separated; 'default' is always measured")
     parser.add_argument("--settings", default=json.dumps(PAPER_SETTINGS),
-                        help="shadowkv settings (JSON); default: the paper's")
+                        help="method settings, JSON keyed by method; default: each paper's")
     parser.add_argument("--model", default=None, help="default: the local llama8b-shape model")
     # internal: one engine in this process
     parser.add_argument("--child-out", help=argparse.SUPPRESS)
@@ -283,23 +290,24 @@ def main() -> None:
     model = args.model or str(build_model("llama8b-shape"))
     settings = json.loads(args.settings)
     lengths = tuple(int(n) for n in args.lengths.split(","))
+    backends = ("default",) + tuple(b for b in args.backends.split(",") if b != "default")
     args.out.mkdir(parents=True, exist_ok=True)
     engines = []
-    jobs = [(n, b) for n in sorted(lengths, reverse=True) for b in BACKENDS]  # interleaved
+    jobs = [(n, b) for n in sorted(lengths, reverse=True) for b in backends]  # interleaved
     wall = time.perf_counter()
     for n, backend in tqdm(jobs, desc="engines", unit="engine"):
-        engines.append(run_child(model, backend, n, settings, lengths,
+        engines.append(run_child(model, backend, n, settings.get(backend, {}), lengths,
                                  args.out / f".engine_{backend}_{n}.json"))
         (args.out / f".engine_{backend}_{n}.json").unlink()
     problems = check_consistency(engines)
-    rows = summarize(engines, lengths)
+    rows = summarize(engines, lengths, backends)
     meta = {
         "command": "VLLM_CPU_KVCACHE_SPACE=%s .venv/bin/python benchmarks/capacity.py"
                    % os.environ["VLLM_CPU_KVCACHE_SPACE"],
         "model": Path(model).name.rsplit("-", 1)[0],
         "model_path": model,
         "kv_cache_gib": int(os.environ["VLLM_CPU_KVCACHE_SPACE"]),
-        "shadowkv_settings": settings,
+        "settings": {b: settings.get(b, {}) for b in backends if b != "default"},
         "date": datetime.date.today().isoformat(),
         "machine": f"{os.cpu_count()}-core {_cpu_name()} ({platform.machine()}, CPU only)",
         "wall_s": round(time.perf_counter() - wall, 1),
@@ -308,16 +316,14 @@ def main() -> None:
     }
     (args.out / "capacity.json").write_text(
         json.dumps({"meta": meta, "rows": rows, "engines": engines}, indent=1))
-    plot(rows, meta, args.out / "capacity.png")
+    plot(rows, backends, meta, args.out / "capacity.png")
 
-    print(f"\nKV cache {meta['kv_cache_gib']} GiB, {meta['model']}, shadowkv {settings}")
-    print(f"{'length':>8} {'default conc':>13} {'shadowkv conc':>14} {'ratio':>7} "
-          f"{'default slots':>14} {'shadowkv slots':>15} {'admissible d/s':>15}")
+    print(f"\nKV cache {meta['kv_cache_gib']} GiB, {meta['model']}, settings {meta['settings']}")
     for r in rows:
-        print(f"{r['length']:>8} {r['default_concurrency']:>13.2f} "
-              f"{r['shadowkv_concurrency']:>14.2f} {r['concurrency_ratio']:>6.2f}x "
-              f"{r['default_kv_slots']:>14,} {r['shadowkv_kv_slots']:>15,} "
-              f"{r['default_admissible']:>7}/{r['shadowkv_admissible']:<7}")
+        print(f"{r['length']:>8}: " + "  ".join(
+            f"{b} {r[b]['concurrency']:.2f}"
+            + (f" ({r[b]['concurrency_ratio']:.2f}x)" if b != "default" else "")
+            + f", {r[b]['admissible']} whole" for b in backends))
     for p in problems:
         print("INCONSISTENT:", p)
     print(f"wrote {args.out / 'capacity.json'} and capacity.png ({meta['wall_s']} s)")

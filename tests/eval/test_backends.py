@@ -91,3 +91,12 @@ def test_sink_recent_baseline_attends_as_many_tokens_without_choosing_them():
     parse_settings(ShadowKVSettings, spec.resolve(4096).settings)
     with pytest.raises(ValueError, match="for shadowkv and sink_recent only"):
         parse("flash@3%")
+
+
+def test_a_label_names_a_spec_and_any_plugin_method_takes_settings():
+    spec = parse('recent@50%=minikv:{"heavy_ratio": 0, "recent_ratio": 0.5}')
+    assert spec.label == "recent@50%" and spec.method == "minikv" and not spec.is_shadowkv
+    assert spec.llm_kwargs() == {"attention_backend": "minikv", "additional_config": {
+        "minikv": {"heavy_ratio": 0, "recent_ratio": 0.5}}}
+    assert parse("default").method is None
+    assert parse('x=shadowkv:{"rank": 8}').settings == {"rank": 8}

@@ -12,17 +12,22 @@
                                       with selection "sink_recent" (first chunk + most recent
                                       chunks, no landmark selection) and no outliers, their tokens
                                       added to its budget instead
-    NAME[:{json}]                     any other registered backend, the same way
+    minikv:{"heavy_ratio":0,"recent_ratio":0.5}
+                                      any other method of this plugin (or registered backend)
+                                      with fixed settings under its own key, the same way; e.g.
+                                      this one is MiniKV's recent-window-only baseline
+    LABEL=SPEC                        SPEC, labelled LABEL in tables, files and plots
 
-The settings keys are the backend's own (``rank``, ``chunk_size``, ``sparse_budget``,
-``outlier_chunks``, ``local_window``, ``min_sparse_len``, ``value_store_gib``,
-``max_staging_requests``); the engine refuses unknown ones at start-up.
+The settings keys are the backend's own (for shadowkv ``rank``, ``chunk_size``,
+``sparse_budget``, ``outlier_chunks``, ``local_window``, ``min_sparse_len``, ...; for minikv
+``bits``, ``heavy_ratio``, ``recent_ratio``, ...); the engine refuses unknown ones at start-up.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass, field, replace
 
 SHADOWKV = "shadowkv"
@@ -47,7 +52,15 @@ class BackendSpec:
 
     @property
     def is_shadowkv(self) -> bool:
-        return (self.attention_backend or "").lower() == SHADOWKV
+        return self.method == SHADOWKV
+
+    @property
+    def method(self) -> str | None:
+        """The plugin method this engine runs (its stats and sparse checks apply), or None."""
+        from vllm_shadowkv.methods import METHODS
+
+        name = (self.attention_backend or "").lower()
+        return name if name in METHODS else None
 
     def with_shadowkv_settings(self, common: dict) -> BackendSpec:
         """``common`` shadowkv settings under this spec's own (the spec's keys win); other
@@ -93,6 +106,9 @@ def outlier_chunks(length: int, chunk_size: int) -> int:
 
 
 def parse(spec: str) -> BackendSpec:
+    label, eq, rest = spec.partition("=")
+    if eq and re.fullmatch(r"[\w.%@+-]+", label.strip()):  # LABEL=SPEC: the label names columns
+        return replace(parse(rest), label=label.strip())
     head, _, raw = spec.partition(":")
     head = head.strip()
     try:

@@ -59,8 +59,8 @@ def prompt_ids(tokenizer, sample: tasks.Sample, chat: bool) -> list[int]:
 
 
 def generate_offline(args, spec, prompts, max_tokens) -> list[dict]:
-    """Greedy outputs of one fresh engine: text, token ids and, for shadowkv, the request's
-    kv_compression_stats row (mode, hit rate, ...) from the worker extension."""
+    """Greedy outputs of one fresh engine: text, token ids and, for a method of this plugin,
+    the request's kv_compression_stats row (mode, hit rate, ...) from the worker extension."""
     from tqdm import tqdm
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -69,7 +69,7 @@ def generate_offline(args, spec, prompts, max_tokens) -> list[dict]:
               "enforce_eager": args.enforce_eager,
               "max_model_len": args.max_model_len or max(map(len, prompts)) + max(max_tokens) + 16,
               **spec.llm_kwargs(), **json.loads(args.engine_args)}
-    if spec.is_shadowkv:
+    if spec.method:
         from vllm_shadowkv.introspect import EXTENSION_CLASS
 
         kwargs.setdefault("worker_extension_cls", EXTENSION_CLASS)
@@ -79,13 +79,13 @@ def generate_offline(args, spec, prompts, max_tokens) -> list[dict]:
         outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
                             use_tqdm=partial(tqdm, desc=spec.label))
         stats = {}
-        if spec.is_shadowkv:
+        if spec.method:
             raw = llm.collective_rpc("kv_compression_stats")[0]
             # The engine core's request id is the front end's plus "-<8 hex>".
             for req_id, row in [*raw["finished"].items(), *raw["requests"].items()]:
                 stats[req_id.rsplit("-", 1)[0] if "-" in req_id else req_id] = row
         return [{"text": o.outputs[0].text, "token_ids": list(o.outputs[0].token_ids),
-                 "stats": stats.get(o.request_id) if spec.is_shadowkv else None} for o in outs]
+                 "stats": stats.get(o.request_id) if spec.method else None} for o in outs]
     finally:  # free the engine (its process and KV cache) before the next backend starts
         llm.llm_engine.engine_core.shutdown()
         del llm
@@ -131,13 +131,18 @@ def engines(specs, samples) -> list[tuple[backend_specs.BackendSpec, backend_spe
 
 
 def expected_sparse(spec, prompt_len: int) -> bool:
-    """Whether shadowkv decodes this prompt sparsely (vllm_shadowkv.core.params)."""
+    """Whether the method compresses this prompt (shadowkv: and has chunks left to select from
+    beyond its outliers, vllm_shadowkv.core.params)."""
     from vllm_shadowkv.config import parse_settings
-    from vllm_shadowkv.methods.shadowkv import ShadowKVSettings
+    from vllm_shadowkv.methods import METHODS
 
-    c = parse_settings(ShadowKVSettings, spec.settings)
+    c = parse_settings(METHODS[spec.method].settings_cls, spec.settings)
+    if prompt_len < c.min_sparse_len:
+        return False
+    if not spec.is_shadowkv:
+        return True
     chunks = prompt_len // c.chunk_size - -(-c.local_window // c.chunk_size)
-    return prompt_len >= c.min_sparse_len and chunks > c.outlier_chunks
+    return chunks > c.outlier_chunks
 
 
 def decode_score(tokenizer, sample: tasks.Sample, token_ids, text: str) -> float | None:
@@ -223,7 +228,7 @@ def main(argv: list[str] | None = None) -> dict:
                          "prediction": out["text"], "output_token_ids": out["token_ids"],
                          "score": tasks.score(s, out["text"]),
                          "decode_score": decode_score(tokenizer, s, out["token_ids"], out["text"])})
-            if stats is not None or (engine_spec.is_shadowkv and not args.server_url):
+            if stats is not None or (engine_spec.method and not args.server_url):
                 rows[-1].update({"mode": stats["mode"] if stats else None,
                                  "expected_sparse": expected_sparse(engine_spec, len(prompts[i])),
                                  "hit_rate": stats["hit_rate"] if stats else None,
@@ -242,11 +247,11 @@ def main(argv: list[str] | None = None) -> dict:
     (args.out / "results.md").write_text(table)
     report.plots(summary, labels, args.out)
     print(table)
-    # A shadowkv run that silently decoded densely would measure the wrong thing: refuse it
+    # A method run that silently decoded densely would measure the wrong thing: refuse it
     # (after writing the results, which show the offending requests' modes).
     wrong = not_sparse(records)
     if wrong:
-        raise SystemExit(f"{len(wrong)} shadowkv request(s) expected to decode sparsely did not: "
+        raise SystemExit(f"{len(wrong)} request(s) expected to decode compressed (sparse) did not: "
                          + ", ".join(f"{r['backend']} {r['task']} {r['length']} mode={r['mode']} "
                                      f"decode_steps={r['decode_steps']}"
                                      for r in wrong[:10]))
