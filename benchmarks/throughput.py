@@ -1,6 +1,7 @@
-"""End-to-end offline throughput and time per output token: shadowkv vs vLLM's default backend.
+"""End-to-end offline throughput and time per output token: a method vs vLLM's default backend.
 
   .venv/bin/python benchmarks/throughput.py        # CPU: tiny model, 1K/2K/4K/8K, 64 MiB KV
+  .venv/bin/python benchmarks/throughput.py --method minikv --settings '{}'   # MiniKV's defaults
 
 For each context length L, one engine per backend (fresh process, engine core in-process,
 interleaved: the order of the two backends alternates from one length to the next), the same KV
@@ -8,8 +9,9 @@ memory for both (``kv_cache_memory_bytes``), and the largest batch of L-token pr
 in it all at once for L + G tokens each:
 
 * default: ``(num_blocks - 1) // cdiv(L + G, block_size)`` (the null block is not usable);
-* shadowkv: one prompt is staged exactly while it is prefilled (``max_staging_requests`` 1), the
-  others hold their compressed pages + per-request state + exact generated tokens:
+* a method (shadowkv, minikv): one prompt is staged exactly while it is prefilled
+  (``max_staging_requests`` 1), the others hold their compressed pages + per-request state +
+  exact generated tokens:
   ``1 + (num_blocks - 1 - peak) // steady`` (``peak`` = ``layout.peak_blocks``: staging +
   compressed + state in the step that compresses; ``steady`` = blocks once the staging is freed
   and G tokens are generated); also capped by the CPU value store.
@@ -19,21 +21,22 @@ Reported: output tokens/s (batch x G / wall time of the generate call), total to
 output), time per output token (TPOT, per request ``(last_token_ts - first_token_ts)/(G - 1)``
 from vLLM's request metrics, averaged; also the TPOT of the request whose prompt finished last,
 which decodes with no prompt being prefilled alongside), time to first token, preemptions, and
-for shadowkv the per-request mode, slot hit rate and bytes fetched from the value store
-(``llm.collective_rpc("kv_compression_stats")``). Ratios are shadowkv / default. Every engine runs
+for the method the per-request mode, slot hit rate and bytes fetched from the host store
+(``llm.collective_rpc("kv_compression_stats")``). Ratios are method / default. Every engine runs
 with OMP_NUM_THREADS=1 (``--threads``): on a 2-core machine shared with other jobs, vLLM's
 default of 2 OpenMP threads made single MKL calls (``torch.linalg.eigh`` in the compression)
 stall for seconds.
 
-ShadowKV settings (defaults here, all flags): rank 40 (the paper's rank 160 is 15.6 % of
-Llama-3.1-8B's key width 1024; 40 is 15.6 % of the tiny model's 256, so a compressed token costs
-the same fraction of an exact one), chunk 8, sparse budget L/64 (the paper's 1.56 % sparsity),
+ShadowKV settings (``--method shadowkv``, the default; all flags): rank 40 (the paper's rank
+160 is 15.6 % of Llama-3.1-8B's key width 1024; 40 is 15.6 % of the tiny model's 256, so a
+compressed token costs the same fraction of an exact one), chunk 8, sparse budget L/64 (the paper's 1.56 % sparsity),
 48 outlier chunks, local window 32, min_sparse_len 1024 (below every context: every prompt is
-compressed and decoded sparsely).
+compressed and decoded sparsely). Other methods take ``--settings`` (JSON, their own keys;
+``min_sparse_len`` comes from its flag).
 
-The CPU path of shadowkv is the torch reference (per-request loops, fp32 SDPA over gathered
-pages during prefill); the default backend is vLLM's C++ CPU_ATTN kernel. CPU timings therefore
-say nothing about GPU speed; the batch sizes (capacity) are the meaningful CPU result.
+On the CPU the methods run the flash kernel of torch for exact attention and the compiled CPU
+kernels (core/cpu_kernels.py) for their decode; the default backend is vLLM's C++ CPU_ATTN
+kernel. CPU timings say nothing about GPU speed.
 Writes benchmarks/throughput/throughput.json and throughput.png.
 """
 
@@ -50,7 +53,6 @@ import time
 from pathlib import Path
 
 OUT_DIR = Path(__file__).resolve().parent / "throughput"
-BACKENDS = ("default", "shadowkv")
 MiB = 1 << 20
 
 
@@ -82,7 +84,7 @@ def largest_batch(backend: str, spec, num_blocks: int, context: int, gen: int) -
             "value_store_bytes_per_request": store_bytes}
 
 
-def shadowkv_summary(stats: dict, req_ids: set[str]) -> dict:
+def method_summary(stats: dict, req_ids: set[str]) -> dict:
     rows = {**stats["finished"], **stats["requests"]}  # the last ones are released next step
     # The engine's ids are the LLM's ids with a random suffix ("3" -> "3-1f2e...").
     mine = [row for rid, row in rows.items() if rid in req_ids or rid.rsplit("-", 1)[0] in req_ids]
@@ -112,9 +114,9 @@ def child_main(args) -> None:
     job = json.loads(args.child_job)
     backend, context, gen = job["backend"], job["context"], job["gen"]
     kwargs = {}
-    if backend == "shadowkv":
-        kwargs = {"attention_backend": "shadowkv", "worker_extension_cls": EXTENSION_CLASS,
-                  "additional_config": {"shadowkv": job["settings"]}}
+    if backend != "default":
+        kwargs = {"attention_backend": backend, "worker_extension_cls": EXTENSION_CLASS,
+                  "additional_config": {backend: job["settings"]}}
     start = time.perf_counter()
     llm = LLM(model=job["model"], max_model_len=context + gen, enable_prefix_caching=False,
               enforce_eager=True, seed=0, kv_cache_memory_bytes=job["kv_bytes"],
@@ -137,7 +139,8 @@ def child_main(args) -> None:
         Path(args.child_out).write_text(json.dumps(result, indent=1))
         os._exit(0)
 
-    # Warm-up: one short request through every phase (for shadowkv a compressed, sparse one).
+    # Warm-up: one short request through every phase (for a method a compressed one: it also
+    # compiles the CPU kernels before the clock starts).
     warm_len = job["warmup_len"]
     rng = random.Random(1)
     warm = TokensPrompt(prompt_token_ids=[rng.randrange(256) for _ in range(warm_len)])
@@ -188,9 +191,9 @@ def child_main(args) -> None:
         "preemptions": preemptions,
         "first_tokens": [list(o.outputs[0].token_ids[:8]) for o in outputs[:2]],
     })
-    if backend == "shadowkv":
+    if backend != "default":
         stats = llm.collective_rpc("kv_compression_stats")[0]
-        result["kv_compression_stats"] = shadowkv_summary(stats, {o.request_id for o in outputs})
+        result["kv_compression_stats"] = method_summary(stats, {o.request_id for o in outputs})
     Path(args.child_out).write_text(json.dumps(result, indent=1))
     os._exit(0)  # skip engine teardown
 
@@ -212,44 +215,45 @@ def run_child(job: dict, out: Path, timeout: float, threads: int) -> dict:
     return result
 
 
-def ratios(runs: list[dict], contexts) -> list[dict]:
+def ratios(runs: list[dict], contexts, method: str) -> list[dict]:
+    """Per context: both backends' figures (the method's under ``method_*``) and their ratios."""
     by = {(r["backend"], r["context"]): r for r in runs}
     rows = []
     for n in contexts:
-        d, s = by.get(("default", n)), by.get(("shadowkv", n))
+        d, s = by.get(("default", n)), by.get((method, n))
         if not d or not s or "wall_s" not in d or "wall_s" not in s:
             continue
         rows.append({
             "context": n,
-            "default_batch": d["batch"], "shadowkv_batch": s["batch"],
+            "default_batch": d["batch"], "method_batch": s["batch"],
             "batch_ratio": s["batch"] / d["batch"],
-            "default_output_tok_s": d["output_tok_s"], "shadowkv_output_tok_s": s["output_tok_s"],
+            "default_output_tok_s": d["output_tok_s"], "method_output_tok_s": s["output_tok_s"],
             "throughput_ratio": s["output_tok_s"] / d["output_tok_s"],
-            "default_tpot_ms": 1e3 * d["tpot_s_mean"], "shadowkv_tpot_ms": 1e3 * s["tpot_s_mean"],
+            "default_tpot_ms": 1e3 * d["tpot_s_mean"], "method_tpot_ms": 1e3 * s["tpot_s_mean"],
             "tpot_ratio": s["tpot_s_mean"] / d["tpot_s_mean"],
             "default_decode_tpot_ms": 1e3 * d["tpot_last_started_s"],
-            "shadowkv_decode_tpot_ms": 1e3 * s["tpot_last_started_s"],
+            "method_decode_tpot_ms": 1e3 * s["tpot_last_started_s"],
             "decode_tpot_ratio": s["tpot_last_started_s"] / d["tpot_last_started_s"],
-            "default_ttft_s": d["ttft_s_mean"], "shadowkv_ttft_s": s["ttft_s_mean"],
-            "shadowkv_hit_rate": s["kv_compression_stats"]["hit_rate"],
-            "shadowkv_bytes_fetched": s["kv_compression_stats"]["bytes_fetched"],
-            "shadowkv_sparse_requests": s["kv_compression_stats"]["modes"]["sparse"],
+            "default_ttft_s": d["ttft_s_mean"], "method_ttft_s": s["ttft_s_mean"],
+            "method_hit_rate": s["kv_compression_stats"]["hit_rate"],
+            "method_bytes_fetched": s["kv_compression_stats"]["bytes_fetched"],
+            "method_sparse_requests": s["kv_compression_stats"]["modes"]["sparse"],
             "preemptions": d["preemptions"] + s["preemptions"],
             "default_resident": d["resident_at_last_first_token"],
-            "shadowkv_resident": s["resident_at_last_first_token"],
+            "method_resident": s["resident_at_last_first_token"],
         })
     return rows
 
 
-def plot(runs: list[dict], rows: list[dict], meta: dict, path: Path) -> None:
+def plot(runs: list[dict], backends, meta: dict, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    colors = {"default": "#888888", "shadowkv": "#1f77b4"}
+    colors = {"default": "#888888", "shadowkv": "#1f77b4", "minikv": "#ff7f0e"}
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for backend in BACKENDS:
+    for backend in backends:
         pts = sorted((r["context"], r) for r in runs if r["backend"] == backend and "wall_s" in r)
         if not pts:
             continue
@@ -277,7 +281,8 @@ def plot(runs: list[dict], rows: list[dict], meta: dict, path: Path) -> None:
     ax2.set_yscale("log")
     ax2.set_title("Time per output token")
     fig.suptitle(f"{meta['model']}, CPU ({meta['machine']}), KV {meta['kv_mib']} MiB per engine, "
-                 f"{meta['gen']} output tokens; shadowkv CPU path = torch reference", fontsize=9)
+                 f"{meta['gen']} output tokens, OMP_NUM_THREADS={meta['omp_num_threads']}",
+                 fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -291,6 +296,9 @@ def main() -> None:
                         help="KV cache memory of every engine (MiB), the same for both backends")
     parser.add_argument("--max-batch", type=int, default=0, help="cap on the batch (0: none)")
     parser.add_argument("--model", default=None, help="default: the local tiny model")
+    parser.add_argument("--method", default="shadowkv", help="the method against the default")
+    parser.add_argument("--settings", default=None,
+                        help="the method's settings (JSON); shadowkv: built from the flags below")
     parser.add_argument("--rank", type=int, default=40)
     parser.add_argument("--chunk-size", type=int, default=8)
     parser.add_argument("--sparsity", type=float, default=1 / 64,
@@ -318,14 +326,19 @@ def main() -> None:
     contexts = [int(c) for c in args.contexts.split(",")]
     args.out.mkdir(parents=True, exist_ok=True)
     jobs = []
+    backends = ("default", args.method)
+
+    def settings(context: int) -> dict:
+        if args.settings is None and args.method == "shadowkv":
+            return shadowkv_settings(args, context)
+        return {**json.loads(args.settings or "{}"), "min_sparse_len": args.min_sparse_len}
+
     for i, context in enumerate(contexts):  # interleaved, alternating order
-        order = BACKENDS if i % 2 == 0 else BACKENDS[::-1]
-        for backend in order:
+        for backend in backends if i % 2 == 0 else backends[::-1]:
             jobs.append({"backend": backend, "context": context, "gen": args.gen, "model": model,
                          "kv_bytes": args.kv_mib * MiB, "max_batch": args.max_batch,
                          "warmup_len": min(context, args.min_sparse_len),
-                         "settings": shadowkv_settings(args, context)
-                         if backend == "shadowkv" else None})
+                         "settings": settings(context) if backend != "default" else None})
     runs = []
     wall = time.perf_counter()
     bar = tqdm(jobs, desc="engines", unit="engine")
@@ -342,7 +355,7 @@ def main() -> None:
                        f"TTFT {run['ttft_s_mean']:.1f} s, wall {run['wall_s']:.1f} s")
         else:
             tqdm.write(f"{run['backend']} @ {run['context']}: {run.get('error')}")
-    rows = ratios(runs, contexts)
+    rows = ratios(runs, contexts, args.method)
     cpu = "unknown CPU"
     try:
         for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines():
@@ -356,22 +369,21 @@ def main() -> None:
         "machine": f"{os.cpu_count()}-core {cpu}",
         "date": datetime.date.today().isoformat(),
         "contexts": contexts, "gen": args.gen, "kv_mib": args.kv_mib,
-        "omp_num_threads": args.threads,
+        "omp_num_threads": args.threads, "method": args.method,
         "wall_s": round(time.perf_counter() - wall, 1),
-        "note": "shadowkv's CPU path is the torch reference (per-request loops); CPU timings do "
-                "not predict GPU speed",
+        "note": "CPU timings do not predict GPU speed",
     }
     (args.out / "throughput.json").write_text(
         json.dumps({"meta": meta, "rows": rows, "runs": runs}, indent=1))
-    plot(runs, rows, meta, args.out / "throughput.png")
+    plot(runs, backends, meta, args.out / "throughput.png")
     print(f"\n{'ctx':>6} {'batch d/s':>10} {'out tok/s d':>12} {'s':>8} {'ratio':>6} "
           f"{'TPOT ms d':>10} {'s':>9} {'ratio':>6} {'hit':>5} {'fetched MiB':>11}")
     for r in rows:
-        print(f"{r['context']:>6} {r['default_batch']:>4}/{r['shadowkv_batch']:<5} "
-              f"{r['default_output_tok_s']:>12.2f} {r['shadowkv_output_tok_s']:>8.2f} "
+        print(f"{r['context']:>6} {r['default_batch']:>4}/{r['method_batch']:<5} "
+              f"{r['default_output_tok_s']:>12.2f} {r['method_output_tok_s']:>8.2f} "
               f"{r['throughput_ratio']:>5.2f}x {r['default_tpot_ms']:>10.1f} "
-              f"{r['shadowkv_tpot_ms']:>9.1f} {r['tpot_ratio']:>5.2f}x "
-              f"{r['shadowkv_hit_rate']:>5.2f} {r['shadowkv_bytes_fetched'] / MiB:>11.1f}")
+              f"{r['method_tpot_ms']:>9.1f} {r['tpot_ratio']:>5.2f}x "
+              f"{r['method_hit_rate']:>5.2f} {r['method_bytes_fetched'] / MiB:>11.1f}")
     print(f"wrote {args.out / 'throughput.json'} and throughput.png ({meta['wall_s']} s)")
 
 
