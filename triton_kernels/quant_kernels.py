@@ -5,7 +5,8 @@ Reference and signature: vllm_shadowkv.core.quant_attention.quant_attention; lay
 vllm_shadowkv.core.kivi. One program per (request, KV head, block of query rows, split of the
 group table): its rows are all the GQA group's query heads times the query tokens, so each
 group's K/V is read once per KV head and never expanded. Splits (flash-decoding) keep the GPU
-busy at small batch; their partial results are merged by LSE.
+busy at small batch; their partial results are merged by LSE. Excluded tokens (SpeCache's
+exact top-k) are compared against each group's token ids and masked like padding.
 """
 
 import torch
@@ -40,15 +41,16 @@ def _dequant_tile(codes_ptr, scale_ptr, zero_ptr, offs_t, offs_d, mask,
 
 @triton.jit
 def _quant_attention_kernel(
-    q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, table_ptr, count_ptr,
+    q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, table_ptr, count_ptr, ex_ptr,
     out_ptr, lse_ptr,
     s_qb, s_qs, s_qh, s_qd,
     s_kcn, s_kch, s_kct, s_kcw, s_kpn, s_kph, s_kpd,
     s_vcn, s_vch, s_vct, s_vcw, s_vpn, s_vph, s_vpt, s_vpd,
-    s_tb, s_tj, groups_per_split, scale,
+    s_tb, s_tj, s_eb, s_eh, n_excluded, groups_per_split, scale,
     H_KV: tl.constexpr, GROUP: tl.constexpr, S_Q: tl.constexpr, HEAD_DIM: tl.constexpr,
     TOKENS: tl.constexpr, VALUE_GROUP: tl.constexpr, BITS: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_E: tl.constexpr,  # 0: nothing excluded
 ):
     pid_bh = tl.program_id(0)
     row_blk = tl.program_id(1)
@@ -70,6 +72,10 @@ def _quant_attention_kernel(
                 + offs_d[None, :] * s_qd, mask=r_mask[:, None] & d_mask[None, :],
                 other=0.0).to(tl.float32)
     precision: tl.constexpr = "ieee" if IEEE else "tf32"
+    if BLOCK_E > 0:
+        offs_e = tl.arange(0, BLOCK_E)
+        excluded = tl.load(ex_ptr + b * s_eb + h * s_eh + offs_e, mask=offs_e < n_excluded,
+                           other=-1)
 
     m_i = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_R], dtype=tl.float32)
@@ -83,10 +89,16 @@ def _quant_attention_kernel(
         k = _dequant_tile(kc_ptr + gid * s_kcn + h * s_kch, ks_ptr + k_param, kz_ptr + k_param,
                           offs_t, offs_d, tile_mask, s_kct, s_kcw, 0, s_kpd, False, 1, BITS)
         logits = tl.dot(q, tl.trans(k), input_precision=precision) * scale  # [R, T]
-        logits = tl.where(t_mask[None, :], logits, float("-inf"))
+        keep = t_mask
+        if BLOCK_E > 0:
+            hits = (j * TOKENS + offs_t)[:, None] == excluded[None, :]
+            keep = keep & (tl.sum(hits.to(tl.int32), axis=1) == 0)
+        logits = tl.where(keep[None, :], logits, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(logits, axis=1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(logits - m_new[:, None])
+        # -inf while every token so far was excluded: exp(-inf - -inf) would be nan.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(logits - m_safe[:, None])
         v_param = gid * s_vpn + h * s_vph
         v = _dequant_tile(vc_ptr + gid * s_vcn + h * s_vch, vs_ptr + v_param, vz_ptr + v_param,
                           offs_t, offs_d, tile_mask, s_vct, s_vcw, s_vpt, s_vpd, True,
@@ -112,7 +124,7 @@ def _num_splits(batch_heads: int, max_groups: int, device: torch.device) -> int:
     return max(1, min(max_groups, triton.cdiv(target, batch_heads)))
 
 
-def quant_attention(q, groups, group_table, group_count, fmt: KiviFormat, scale):
+def quant_attention(q, groups, group_table, group_count, fmt: KiviFormat, scale, excluded=None):
     batch, s_q, h_q, head_dim = q.shape
     kc, ks, kz, vc, vs, vz = groups
     n_pool, h_kv, tokens, words = kc.shape
@@ -125,6 +137,13 @@ def quant_attention(q, groups, group_table, group_count, fmt: KiviFormat, scale)
     assert group_count.shape == (batch,) and group_count.is_contiguous()
     assert group_table.dtype == group_count.dtype == kc.dtype == vc.dtype == torch.int32
     assert all(t.device == q.device for t in (*groups, group_table, group_count))
+    if excluded is None:
+        excluded = group_count  # never read: BLOCK_E = 0
+        n_excluded, ex_strides = 0, (0, 0)
+    else:
+        assert excluded.shape[:2] == (batch, h_kv) and excluded.dtype == torch.int32
+        assert excluded.stride(-1) == 1 and excluded.device == q.device
+        n_excluded, ex_strides = excluded.shape[2], excluded.stride()[:2]
     group = h_q // h_kv
     rows = group * s_q
     max_groups = group_table.shape[1]
@@ -135,13 +154,14 @@ def quant_attention(q, groups, group_table, group_count, fmt: KiviFormat, scale)
     part_lse = torch.empty(batch, h_kv, n_splits, rows, dtype=torch.float32, device=q.device)
     grid = (batch * h_kv, triton.cdiv(rows, block_r), n_splits)
     _quant_attention_kernel[grid](
-        q, kc, ks, kz, vc, vs, vz, group_table, group_count, part_out, part_lse,
+        q, kc, ks, kz, vc, vs, vz, group_table, group_count, excluded, part_out, part_lse,
         *q.stride(), *kc.stride(), *ks.stride(), *vc.stride(), *vs.stride(),
-        *group_table.stride(), triton.cdiv(max_groups, n_splits), scale,
+        *group_table.stride(), *ex_strides, n_excluded, triton.cdiv(max_groups, n_splits), scale,
         H_KV=h_kv, GROUP=group, S_Q=s_q, HEAD_DIM=head_dim, TOKENS=tokens,
         VALUE_GROUP=fmt.value_group, BITS=fmt.bits, IEEE=q.dtype == torch.float32,
         BLOCK_R=block_r, BLOCK_T=max(_MIN_DOT, triton.next_power_of_2(tokens)),
-        BLOCK_D=max(_MIN_DOT, triton.next_power_of_2(head_dim)))
+        BLOCK_D=max(_MIN_DOT, triton.next_power_of_2(head_dim)),
+        BLOCK_E=triton.next_power_of_2(n_excluded) if n_excluded else 0)
     out, lse = merge_attention(list(part_out.unbind(2)), list(part_lse.unbind(2)))
     # [B, h_kv, group, s_q, ...] -> [B, s_q, h_q, ...]
     out = out.view(batch, h_kv, group, s_q, head_dim).permute(0, 3, 1, 2, 4)

@@ -127,11 +127,11 @@ def _quant_block(bits: int):
     return block
 
 
-def quant_attention(q, groups, group_table, group_count, fmt, scale):
+def quant_attention(q, groups, group_table, group_count, fmt, scale, excluded=None):
     """Same contract as core.quant_attention.quant_attention; blocks of groups gathered by
     ``index_select`` and attended by one compiled pass each, merged by LSE."""
     from .attention import merge_attention
-    from .quant_attention import BLOCK_TOKENS
+    from .quant_attention import BLOCK_TOKENS, excluded_tokens
 
     batch, s_q, h_q, head_dim = q.shape
     h_kv = groups.key_codes.shape[1]
@@ -151,8 +151,11 @@ def quant_attention(q, groups, group_table, group_count, fmt, scale):
             part = torch.index_select(field, 0, ids).unflatten(0, (batch, -1)).transpose(1, 2)
             picked.append(part.reshape(batch * h_kv, len(cols), *field.shape[2:]))
         valid = (cols < group_count.view(-1, 1)).repeat_interleave(fmt.group, dim=1)
-        out, lse = _quant_block(fmt.bits)(rows, *picked, valid.repeat_interleave(h_kv, dim=0),
-                                          scale)
+        valid = valid.repeat_interleave(h_kv, dim=0)  # [B * h_kv, n * G]
+        if excluded is not None:
+            left_out = excluded_tokens(excluded, j0 * fmt.group, valid.shape[1])
+            valid = valid & ~left_out.flatten(0, 1)
+        out, lse = _quant_block(fmt.bits)(rows, *picked, valid, scale)
         outs.append(out)
         lses.append(lse)
     out, lse = merge_attention(outs, lses)

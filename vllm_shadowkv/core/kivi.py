@@ -123,11 +123,18 @@ def dequantize_groups(
     """QuantizedGroups -> k, v [n_groups * G, h_kv, d] in dtype (default: the scales' dtype).
     Dequantization is done in fp32, as the fused attention does."""
     dtype = dtype or q.key_scale.dtype
-    key_codes = unpack_codes(q.key_codes, fmt.bits).float()  # [n, h, G, d]
-    k = key_codes * q.key_scale.float().unsqueeze(2) + q.key_zero.float().unsqueeze(2)
     value_codes = unpack_codes(q.value_codes, fmt.bits).float().unflatten(-1, (-1, fmt.value_group))
     v = value_codes * q.value_scale.float().unsqueeze(-1) + q.value_zero.float().unsqueeze(-1)
-    return _token_major(k, fmt).to(dtype), _token_major(v, fmt).to(dtype)
+    return dequantize_keys(q, fmt, dtype), _token_major(v, fmt).to(dtype)
+
+
+def dequantize_keys(
+    q: QuantizedGroups, fmt: KiviFormat, dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """The keys alone (SpeCache scores every quantized token): k [n_groups * G, h_kv, d]."""
+    key_codes = unpack_codes(q.key_codes, fmt.bits).float()  # [n, h, G, d]
+    k = key_codes * q.key_scale.float().unsqueeze(2) + q.key_zero.float().unsqueeze(2)
+    return _token_major(k, fmt).to(dtype or q.key_scale.dtype)
 
 
 def _token_major(x: torch.Tensor, fmt: KiviFormat) -> torch.Tensor:

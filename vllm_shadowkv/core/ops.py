@@ -75,7 +75,7 @@ def scatter_values(staging, staging_start, miss_slots, miss_count, slot_v):
     impl.scatter_values(staging, staging_start, miss_slots, miss_count, slot_v)
 
 
-def quant_attention(q, groups, group_table, group_count, fmt, scale):
+def quant_attention(q, groups, group_table, group_count, fmt, scale, excluded=None):
     impl = (_kernels("quant_kernels") if _use_triton(q)
             else cpu_kernels if _compiled_cpu(q) else quant_path)
-    return impl.quant_attention(q, groups, group_table, group_count, fmt, scale)
+    return impl.quant_attention(q, groups, group_table, group_count, fmt, scale, excluded)

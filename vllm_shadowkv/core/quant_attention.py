@@ -1,8 +1,10 @@
 """Attention over KIVI-quantized token groups, dequantizing one block of groups at a time.
 
 Torch reference of vllm_shadowkv.triton_kernels.quant_kernels.quant_attention (same signature).
-Every query row of a request attends all of its quantized groups (no causal mask among them):
-the 16-bit residual is attended separately and merged by LSE (attention.merge_attention).
+Every query row of a request attends all of its quantized groups (no causal mask among them)
+except the tokens `excluded` names per KV head (SpeCache: those attended from exact copies
+instead): the 16-bit residual is attended separately and merged by LSE
+(attention.merge_attention).
 """
 
 import torch
@@ -20,11 +22,14 @@ def quant_attention(
     group_count: torch.Tensor,
     fmt: KiviFormat,
     scale: float,
+    excluded: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q [B, s_q, h_q, d]; groups: a pool of token groups (kivi.QuantizedGroups, leading dims
     [n_pool, h_kv]); group_table [B, max_groups] int32 pool ids, request b owns the first
-    group_count[b] [B] int32 entries (the rest are ignored). -> out [B, s_q, h_q, d] (q's
-    dtype), lse [B, s_q, h_q] fp32; a request without groups gets out 0 and lse -inf."""
+    group_count[b] [B] int32 entries (the rest are ignored); excluded [B, h_kv, E] int32
+    tokens left out per KV head, token t of table entry j being j * fmt.group + t (-1: none).
+    -> out [B, s_q, h_q, d] (q's dtype), lse [B, s_q, h_q] fp32; a request without groups (or
+    with all its tokens excluded) gets out 0 and lse -inf."""
     batch, head_dim = q.shape[0], q.shape[-1]
     assert head_dim == fmt.head_dim and group_table.shape[0] == group_count.shape[0] == batch
     width = int(group_count.max()) if batch else 0
@@ -43,8 +48,21 @@ def quant_attention(
         k = k.unflatten(0, (batch, -1)).transpose(1, 2)  # [B, h_kv, n * G, d]
         v = v.unflatten(0, (batch, -1)).transpose(1, 2)
         valid = (cols < group_count.view(-1, 1)).repeat_interleave(fmt.group, dim=1)
-        out, lse = attention_with_lse(q32, k, v, valid.view(batch, 1, 1, -1), scale)
+        valid = valid.view(batch, 1, 1, -1)
+        if excluded is not None:
+            valid = valid & ~excluded_tokens(excluded, j0 * fmt.group, k.shape[2]).unsqueeze(2)
+        out, lse = attention_with_lse(q32, k, v, valid, scale)
         outs.append(out)
         lses.append(lse)
     out, lse = merge_attention(outs, lses)
     return out.to(q.dtype), lse
+
+
+def excluded_tokens(excluded: torch.Tensor, start: int, width: int) -> torch.Tensor:
+    """excluded [B, h_kv, E] token ids (-1: none) -> bool [B, h_kv, width], True at the ids in
+    [start, start + width) (a block of the requests' quantized tokens)."""
+    local = excluded.long() - start
+    inside = (local >= 0) & (local < width)
+    mask = torch.zeros(*excluded.shape[:2], width + 1, dtype=torch.bool, device=excluded.device)
+    # Ids outside the block land in the spare last column, dropped after.
+    return mask.scatter_(-1, torch.where(inside, local, width), True)[..., :width]

@@ -1,0 +1,249 @@
+"""SpeCache's attention over a low-bit cache with the top-k tokens exact (core/mixed_attention.py)
+and the quantized attention with tokens excluded (torch path, compiled CPU kernel, Triton
+kernel interpreted on the CPU), against caches built explicitly. Fresh random inputs each test.
+"""
+
+import pytest
+import torch
+
+from vllm_shadowkv.core import cpu_kernels, ops
+from vllm_shadowkv.core import quant_attention as torch_path
+from vllm_shadowkv.core.attention import attention_with_lse_reference, merge_attention
+from vllm_shadowkv.core.kivi import KiviFormat, QuantizedGroups, dequantize_groups, quantize_groups
+from vllm_shadowkv.core.mixed_attention import mixed_attention, quant_logits, top_k_tokens
+
+from test_kivi import quant_kernels  # imported there interpreted on a CPU-only machine
+
+
+class Requests:
+    """Exact K/V of ragged requests, quantized into one shared pool of token groups (spare
+    groups, shuffled ids, a non-contiguous table with garbage past each count), and queries."""
+
+    def __init__(self, fmt, h_kv, gqa, s_q, counts, dtype, device="cpu"):
+        n_pool = sum(counts) + 2
+        k = torch.randn(n_pool * fmt.group, h_kv, fmt.head_dim, device=device)
+        k[..., ::7] = k[..., ::7] * 4 + 3  # large fixed channels, KIVI's reason for per-channel keys
+        v = torch.randn(n_pool * fmt.group, h_kv, fmt.head_dim, device=device)
+        k, v = k.to(dtype), v.to(dtype)
+        self.fmt, self.h_kv, self.dtype = fmt, h_kv, dtype
+        self.pool = quantize_groups(k, v, fmt)
+        ids = torch.randperm(n_pool, device=device).to(torch.int32)
+        table = torch.full((max(counts) + 1, len(counts)), 10**6, dtype=torch.int32, device=device)
+        self.exact = []  # per request: k, v [count * G, h_kv, d]
+        start = 0
+        for b, count in enumerate(counts):
+            mine = ids[start:start + count]
+            table[:count, b] = mine
+            start += count
+            rows = (mine.long().view(-1, 1) * fmt.group + torch.arange(fmt.group, device=device))
+            self.exact.append((k[rows.flatten()], v[rows.flatten()]))
+        self.table = table.T
+        self.count = torch.tensor(counts, dtype=torch.int32, device=device)
+        q = torch.randn(len(counts), h_kv * gqa, s_q, fmt.head_dim, device=device)
+        self.q = q.to(dtype).transpose(1, 2)  # [B, s_q, h_q, d], non-contiguous
+        self.scale = fmt.head_dim ** -0.5
+
+    def dequantized(self, b):
+        n = int(self.count[b])
+        picked = QuantizedGroups(*(t[self.table[b, :n].long()] for t in self.pool))
+        return dequantize_groups(picked, self.fmt, torch.float32)
+
+    def random_tokens(self, k):
+        """k distinct token ids per (request, KV head), -1 past a request's tokens."""
+        out = torch.full((len(self.exact), self.h_kv, k), -1, dtype=torch.int32)
+        for b, (keys, _) in enumerate(self.exact):
+            for h in range(self.h_kv):
+                ids = torch.randperm(keys.shape[0])[:k]
+                out[b, h, :len(ids)] = ids.to(torch.int32)
+        return out.to(self.count.device)
+
+    def slots(self, tokens):
+        """The exact K/V of tokens [B, h_kv, k] -> slot_k, slot_v [B, h_kv, k, d] (0 if empty)."""
+        slot_k = torch.zeros(*tokens.shape, self.fmt.head_dim, dtype=self.dtype)
+        slot_v = torch.zeros_like(slot_k)
+        for b, (keys, values) in enumerate(self.exact):
+            for h in range(self.h_kv):
+                ids = tokens[b, h].long().cpu()
+                used = ids >= 0
+                slot_k[b, h, used] = keys[ids[used], h].cpu()
+                slot_v[b, h, used] = values[ids[used], h].cpu()
+        return slot_k.to(self.q.device), slot_v.to(self.q.device)
+
+
+def _attend(q, k, v, scale, key_mask=None):
+    """One request: q [s_q, h_q, d]; k, v [S, h_kv, d] -> out [s_q, h_q, d] fp32, lse."""
+    out, lse = attention_with_lse_reference(q[None].float(), k.transpose(0, 1)[None].float(),
+                                            v.transpose(0, 1)[None].float(), key_mask, scale)
+    return out[0], lse[0]
+
+
+IMPLS = {
+    "torch": torch_path.quant_attention,
+    "compiled": cpu_kernels.quant_attention,
+    "triton": quant_kernels.quant_attention,
+}
+KERNEL_MODES = {"torch": "torch", "compiled": "auto", "triton": "triton"}
+_needs_compiler = pytest.mark.skipif(not cpu_kernels.available(),
+                                     reason="inductor needs a C++ compiler")
+IMPL_PARAMS = [pytest.param("torch"), pytest.param("compiled", marks=_needs_compiler),
+               pytest.param("triton")]
+
+# (format, h_kv, GQA group, s_q, counts, excluded per KV head): bits 1/2, head_dim 64 and 96
+# (padded in the Triton kernel), ragged counts with 0, exclusions of a whole request.
+CASES = [
+    (KiviFormat(1, 32, 64, 32), 2, 4, 1, [3, 0, 2], 24),
+    (KiviFormat(2, 16, 96, 16), 1, 8, 2, [1, 4], 20),
+    (KiviFormat(2, 32, 64, 16), 2, 1, 1, [2, 5, 1], 7),
+    (KiviFormat(1, 64, 64, 64, midpoint_one_bit=False), 1, 4, 2, [1, 2], 64),  # all of request 0
+]
+
+
+def _case_id(case):
+    fmt, h_kv, gqa, s_q, counts, k = case
+    return f"{fmt.bits}b-G{fmt.group}-d{fmt.head_dim}-hkv{h_kv}-gqa{gqa}-sq{s_q}-k{k}"
+
+
+def _device(impl, kernel_device):
+    return kernel_device if impl == "triton" else torch.device("cpu")
+
+
+@pytest.mark.parametrize("impl", IMPL_PARAMS)
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_quant_attention_with_excluded_tokens(impl, case, kernel_device, monkeypatch):
+    fmt, h_kv, gqa, s_q, counts, k = case
+    monkeypatch.setattr(torch_path, "BLOCK_TOKENS", 2 * fmt.group * len(counts))  # 2-group blocks
+    r = Requests(fmt, h_kv, gqa, s_q, counts, torch.bfloat16, _device(impl, kernel_device))
+    excluded = r.random_tokens(k)
+    out, lse = IMPLS[impl](r.q, r.pool, r.table, r.count, fmt, r.scale, excluded)
+    assert out.dtype == r.q.dtype and lse.shape == r.q.shape[:3]
+    for b, count in enumerate(counts):
+        if count == 0 or bool((excluded[b] >= 0).sum(-1).eq(count * fmt.group).all()):
+            assert torch.isinf(lse[b]).all() and not out[b].float().abs().any()
+            continue
+        keys, values = r.dequantized(b)
+        mask = torch.ones(h_kv, count * fmt.group, dtype=torch.bool)
+        for h in range(h_kv):
+            ids = excluded[b, h].long().cpu()
+            mask[h, ids[ids >= 0]] = False
+        want_out, want_lse = _attend(r.q[b].cpu(), keys.cpu(), values.cpu(), r.scale,
+                                     mask[None, :, None])
+        torch.testing.assert_close(out[b].cpu().float(), want_out, atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(lse[b].cpu(), want_lse, atol=1e-3, rtol=1e-4)
+
+
+@pytest.mark.parametrize("impl", IMPL_PARAMS)
+def test_without_excluded_tokens_unchanged(impl, kernel_device):
+    """excluded=None and an all -1 exclusion list give the plain attention (MiniKV's callers)."""
+    r = Requests(KiviFormat(2, 16, 64, 16), 2, 4, 1, [3, 1], torch.float32,
+                 _device(impl, kernel_device))
+    plain = IMPLS[impl](r.q, r.pool, r.table, r.count, r.fmt, r.scale)
+    none = torch.full((2, 2, 5), -1, dtype=torch.int32, device=r.q.device)
+    listed = IMPLS[impl](r.q, r.pool, r.table, r.count, r.fmt, r.scale, none)
+    torch.testing.assert_close(listed, plain, atol=1e-6, rtol=1e-6)
+
+
+def _mixed_cache_reference(r, tokens, residual_k, residual_v):
+    """Per request: the dequantized cache with the rows in tokens (per KV head) replaced by
+    their exact K/V, then the 16-bit residual appended; exact attention over it."""
+    outs, lses = [], []
+    for b, (keys, values) in enumerate(r.exact):
+        k_mixed, v_mixed = r.dequantized(b)
+        for h in range(r.h_kv):
+            ids = tokens[b, h].long().cpu()
+            ids = ids[ids >= 0]
+            k_mixed[ids, h] = keys[ids, h].cpu().float()
+            v_mixed[ids, h] = values[ids, h].cpu().float()
+        out, lse = _attend(r.q[b].cpu(), torch.cat([k_mixed, residual_k[b].float()]),
+                           torch.cat([v_mixed, residual_v[b].float()]), r.scale)
+        outs.append(out)
+        lses.append(lse)
+    return torch.stack(outs), torch.stack(lses)
+
+
+def _with_residual(r, quant_part, residual_k, residual_v):
+    exact = attention_with_lse_reference(r.q.cpu(), residual_k.transpose(1, 2),
+                                         residual_v.transpose(1, 2), None, r.scale)
+    return merge_attention([quant_part[0].cpu(), exact[0]], [quant_part[1].cpu(), exact[1]])
+
+
+# bits 1/2, GQA 1/4/8, odd head_dim and slot counts, 1 or 2 query rows.
+MIXED_CASES = [
+    (KiviFormat(1, 32, 64, 32), 2, 4, 1, [3, 1, 2], 24),
+    (KiviFormat(2, 32, 96, 32), 1, 8, 2, [2, 3], 37),
+    (KiviFormat(2, 64, 64, 16), 2, 1, 1, [1, 2], 5),
+    (KiviFormat(1, 64, 64, 64), 1, 8, 2, [2, 1, 1], 64),
+]
+
+
+@pytest.mark.parametrize("impl", IMPL_PARAMS)
+@pytest.mark.parametrize("case", MIXED_CASES, ids=_case_id)
+def test_mixed_attention_equals_the_mixed_cache(impl, case, kernel_device):
+    fmt, h_kv, gqa, s_q, counts, k = case
+    r = Requests(fmt, h_kv, gqa, s_q, counts, torch.float32, _device(impl, kernel_device))
+    tokens = r.random_tokens(k)
+    slot_k, slot_v = r.slots(tokens)
+    residual_k = torch.randn(len(counts), 9, h_kv, fmt.head_dim)
+    residual_v = torch.randn(len(counts), 9, h_kv, fmt.head_dim)
+    with ops.kernel_mode(KERNEL_MODES[impl]):
+        part = mixed_attention(r.q, r.pool, r.table, r.count, fmt, r.scale, tokens, slot_k, slot_v)
+    out, lse = _with_residual(r, part, residual_k, residual_v)
+    want_out, want_lse = _mixed_cache_reference(r, tokens, residual_k, residual_v)
+    torch.testing.assert_close(out, want_out, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(lse, want_lse, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("case", MIXED_CASES, ids=_case_id)
+def test_quant_logits_and_top_k_match_brute_force(case, monkeypatch):
+    fmt, h_kv, gqa, _, counts, k = case
+    monkeypatch.setattr(torch_path, "BLOCK_TOKENS", 2 * fmt.group * len(counts))  # 2-group blocks
+    r = Requests(fmt, h_kv, gqa, 1, counts, torch.bfloat16)
+    row = r.q[:, 0]  # [B, h_q, d]
+    logits = quant_logits(row, r.pool, r.table, r.count, fmt, r.scale)
+    assert logits.shape == (len(counts), h_kv * gqa, max(counts) * fmt.group)
+    other_lse = torch.randn(len(counts), h_kv * gqa) * 3  # the residual's share of each row
+    chosen = top_k_tokens(logits, other_lse, h_kv, k)
+    assert chosen.shape == (len(counts), h_kv, k) and chosen.dtype == torch.int32
+    for b, count in enumerate(counts):
+        keys, _ = r.dequantized(b)  # [S, h_kv, d]
+        heads_keys = keys.repeat_interleave(gqa, dim=1)  # [S, h_q, d]
+        want = torch.einsum("hd,shd->hs", row[b].float(), heads_keys) * r.scale
+        width = count * fmt.group
+        torch.testing.assert_close(logits[b, :, :width], want, atol=1e-4, rtol=1e-4)
+        assert torch.isinf(logits[b, :, width:]).all()
+        # Probabilities of the whole row (quantized tokens + the residual), summed per group.
+        row_lse = torch.logaddexp(torch.logsumexp(want, dim=-1), other_lse[b])
+        scores = torch.exp(want - row_lse[:, None]).view(h_kv, gqa, width).sum(1)
+        take = min(k, width)
+        for h in range(h_kv):
+            ids = chosen[b, h].long()
+            assert (ids[take:] == -1).all() and len(set(ids[:take].tolist())) == take
+            assert ((ids[:take] >= 0) & (ids[:take] < width)).all()
+            # Ties may pick different tokens: compare the chosen scores, not the ids.
+            got = scores[h, ids[:take]].sort().values
+            best = scores[h].topk(take).values.sort().values
+            torch.testing.assert_close(got, best, atol=1e-6, rtol=1e-4)
+
+
+@pytest.mark.parametrize("impl", IMPL_PARAMS)
+@pytest.mark.parametrize("bits, gqa", [(1, 4), (2, 8), (2, 1)])
+def test_top_k_covering_the_context_is_exact_attention(impl, bits, gqa, kernel_device):
+    """The "current" mode end to end: the output row's top-k over the low-bit keys, fetched
+    exact, merged with the residual; with k covering the prompt it is exact attention."""
+    fmt = KiviFormat(bits, 32, 64, 32)
+    counts = [2, 3, 1]
+    r = Requests(fmt, 2, gqa, 1, counts, torch.float32, _device(impl, kernel_device))
+    residual_k = torch.randn(len(counts), 5, 2, 64)
+    residual_v = torch.randn(len(counts), 5, 2, 64)
+    residual = attention_with_lse_reference(r.q.cpu(), residual_k.transpose(1, 2),
+                                            residual_v.transpose(1, 2), None, r.scale)
+    logits = quant_logits(r.q[:, 0], r.pool, r.table, r.count, fmt, r.scale)
+    tokens = top_k_tokens(logits, residual[1][:, 0].to(logits.device), 2, 3 * fmt.group)
+    slot_k, slot_v = r.slots(tokens)
+    with ops.kernel_mode(KERNEL_MODES[impl]):
+        part = mixed_attention(r.q, r.pool, r.table, r.count, fmt, r.scale, tokens, slot_k, slot_v)
+    out, lse = _with_residual(r, part, residual_k, residual_v)
+    for b, (keys, values) in enumerate(r.exact):
+        want_out, want_lse = _attend(r.q[b].cpu(), torch.cat([keys.cpu(), residual_k[b]]),
+                                     torch.cat([values.cpu(), residual_v[b]]), r.scale)
+        torch.testing.assert_close(out[b], want_out, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(lse[b], want_lse, atol=1e-4, rtol=1e-4)
