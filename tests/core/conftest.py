@@ -13,7 +13,8 @@ import pytest
 import torch
 
 KERNEL_MODULES = ("vllm_shadowkv.triton_kernels.select_kernels",
-                  "vllm_shadowkv.triton_kernels.rebuild_kernels")
+                  "vllm_shadowkv.triton_kernels.rebuild_kernels",
+                  "vllm_shadowkv.triton_kernels.channel_kernels")
 
 
 def _import_interpreted():

@@ -12,7 +12,7 @@ import importlib.util
 import torch
 
 from . import quant_attention as quant_path
-from . import cpu_kernels, reconstruct, select
+from . import cpu_kernels, critical_channels, reconstruct, select
 
 _HAS_TRITON = importlib.util.find_spec("triton") is not None
 KERNEL_MODES = ("auto", "triton", "torch")
@@ -60,6 +60,11 @@ def landmark_scores(q, landmarks, lm_rows, lm_start, lm_count, max_count, scale)
 def select_chunks(scores, landmark_chunks, lm_start, lm_count, k):
     impl = _kernels("select_kernels") if _use_triton(scores) else select
     return impl.select_chunks(scores, landmark_chunks, lm_start, lm_count, k)
+
+
+def channel_scores(q, keys_cm, channels, key_start, prompt_len, sink, recent, max_len):
+    impl = _kernels("channel_kernels") if _use_triton(q) else critical_channels
+    return impl.channel_scores(q, keys_cm, channels, key_start, prompt_len, sink, recent, max_len)
 
 
 def rebuild_keys(a, a_rows, a_positions, a_start, b, slot_chunks, miss_slots, miss_count, rope,

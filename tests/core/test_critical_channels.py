@@ -1,0 +1,205 @@
+"""TailorKV's critical-channel token selection: the torch reference against a brute-force loop and
+exact logits, the Triton kernel (interpreted on the CPU, see conftest.py) against the reference,
+GQA groups 1/4/8, signed scores, the sink/recent/generated exclusions, ties."""
+
+import pytest
+import torch
+
+from vllm_shadowkv.core import critical_channels as cc
+from vllm_shadowkv.core import ops
+from vllm_shadowkv.triton_kernels import channel_kernels
+
+PROMPTS = [300, 0, 37, 129, 1000]  # irregular; empty; shorter than sink + recent
+GRID = [(g, d, dt) for g in (1, 4, 8) for d in (64, 128) for dt in (torch.float32, torch.bfloat16)]
+
+
+def _as_i32(xs, device):
+    return torch.tensor(xs, dtype=torch.int32, device=device)
+
+
+def _channel_major_pool(prompts, h_kv, head_dim, dtype, device, extra=5):
+    """keys_cm [h_kv, d, N] (non-contiguous) holding each prompt followed by `extra` columns (a
+    neighbour's or generated tokens) -> (keys_cm, key_start)."""
+    starts, pos = [], 0
+    for n in prompts:
+        starts.append(pos)
+        pos += n + extra
+    keys = torch.randn(pos, head_dim, h_kv, device=device).to(dtype).permute(2, 1, 0)
+    return keys, _as_i32(starts, device)
+
+
+def _brute_force_scores(q, keys_cm, start, n, h, num_channels, sink, recent):
+    """One (request, KV head) in plain loops: {token: partial score} over the middle tokens."""
+    group = q.shape[0] // keys_cm.shape[0]
+    head_dim = keys_cm.shape[1]
+    qg = [sum(float(q[h * group + g, c]) for g in range(group)) for c in range(head_dim)]
+    absmax = [max((abs(float(keys_cm[h, c, start + t])) for t in range(n)), default=0.0)
+              for c in range(head_dim)]
+    chosen = sorted(range(head_dim), key=lambda c: -abs(qg[c]) * absmax[c])[:num_channels]
+    return {t: sum(qg[c] * float(keys_cm[h, c, start + t]) for c in chosen)
+            for t in range(sink, n - recent)}
+
+
+def _select(scores_fn, q, keys_cm, key_start, prompt_len, sink, recent, num_channels, k,
+            q_channel=None):
+    absmax = cc.key_channel_absmax(keys_cm, key_start, prompt_len)
+    channels = cc.critical_channels(q if q_channel is None else q_channel, absmax, num_channels)
+    max_len = int(prompt_len.max())
+    scores = scores_fn(q, keys_cm, channels, key_start, prompt_len, sink, recent, max_len)
+    return scores, cc.select_tokens(scores, prompt_len, sink, recent, k)
+
+
+def _check_selection(ids, scores, prompt_len, sink, recent, k):
+    """Ids are a set of the right size inside the window, holding the best scores (ties: as a
+    set of scores, not of ids)."""
+    for b, n in enumerate(prompt_len.tolist()):
+        window = scores[b, :, sink:max(n - recent, sink)]
+        take = min(k, window.shape[-1])
+        assert (ids[b, :, take:] == -1).all()
+        for h in range(ids.shape[1]):
+            got = ids[b, h, :take].long()
+            assert len(set(got.tolist())) == take
+            assert ((got >= sink) & (got < n - recent)).all()
+            best = torch.topk(window[h], take).values
+            torch.testing.assert_close(scores[b, h, got].sort().values, best.sort().values)
+
+
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_reference_matches_brute_force(group):
+    h_kv, head_dim, sink, recent, num_channels, k = 2, 16, 3, 4, 5, 6
+    prompts = [20, 0, 9, 31]
+    keys_cm, key_start = _channel_major_pool(prompts, h_kv, head_dim, torch.float32, "cpu")
+    prompt_len = _as_i32(prompts, "cpu")
+    q = torch.randn(len(prompts), h_kv * group, head_dim)
+    scores, ids = _select(cc.channel_scores, q, keys_cm, key_start, prompt_len, sink, recent,
+                          num_channels, k)
+    for b, (start, n) in enumerate(zip(key_start.tolist(), prompts)):
+        for h in range(h_kv):
+            want = _brute_force_scores(q[b], keys_cm, start, n, h, num_channels, sink, recent)
+            row = scores[b, h]
+            assert torch.isinf(row).sum() == row.numel() - len(want)
+            for t, value in want.items():
+                assert row[t].item() == pytest.approx(value, rel=1e-4, abs=1e-4)
+            chosen = {t for t in ids[b, h].tolist() if t >= 0}
+            assert chosen == set(sorted(want, key=want.get, reverse=True)[:k])
+
+
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_all_channels_give_the_exact_group_logits(group):
+    h_kv, head_dim, sink, recent = 2, 32, 4, 8
+    keys_cm, key_start = _channel_major_pool(PROMPTS, h_kv, head_dim, torch.float32, "cpu")
+    prompt_len = _as_i32(PROMPTS, "cpu")
+    q = torch.randn(len(PROMPTS), h_kv * group, head_dim)
+    scores, _ = _select(cc.channel_scores, q, keys_cm, key_start, prompt_len, sink, recent,
+                        head_dim, 1)
+    for b, (start, n) in enumerate(zip(key_start.tolist(), PROMPTS)):
+        if n - recent <= sink:
+            assert torch.isinf(scores[b]).all()
+            continue
+        keys = keys_cm[:, :, start + sink:start + n - recent]  # [h, d, m]
+        logits = torch.einsum("hgd,hdm->hgm", q[b].view(h_kv, group, head_dim), keys).sum(1)
+        torch.testing.assert_close(scores[b, :, sink:n - recent], logits, atol=1e-4, rtol=1e-4)
+
+
+def test_scores_are_signed():
+    """A token whose partial score is the most negative (the largest magnitude) is never chosen."""
+    h_kv, head_dim, n = 1, 8, 64
+    keys_cm, key_start = _channel_major_pool([n], h_kv, head_dim, torch.float32, "cpu")
+    q = torch.randn(1, h_kv, head_dim)
+    keys_cm[0, :, 10] = -50.0 * q[0, 0].sign()
+    keys_cm[0, :, 20] = 40.0 * q[0, 0].sign()
+    prompt_len = _as_i32([n], "cpu")
+    scores, ids = _select(cc.channel_scores, q, keys_cm, key_start, prompt_len, 0, 0, 4, 8)
+    assert scores[0, 0, 10] < 0 and scores[0, 0, 10].abs() == scores[0, 0].abs().max()
+    assert 20 in ids[0, 0].tolist() and 10 not in ids[0, 0].tolist()
+
+
+def test_sink_recent_and_generated_tokens_never_compete():
+    h_kv, head_dim, sink, recent, k = 2, 16, 4, 6, 200
+    prompts = [50, 9]
+    keys_cm, key_start = _channel_major_pool(prompts, h_kv, head_dim, torch.float32, "cpu",
+                                             extra=7)
+    q = torch.randn(2, h_kv * 4, head_dim)
+    for b, (start, n) in enumerate(zip(key_start.tolist(), prompts)):
+        # The tokens that must not compete get the best keys: sink, recent, and the columns
+        # after the prompt (generated tokens held in the same store).
+        best = 100.0 * q[b].view(h_kv, 4, head_dim).sum(1).sign()  # [h, d]
+        for t in [*range(sink), *range(n - recent, n + 7)]:
+            keys_cm[:, :, start + t] = best
+    prompt_len = _as_i32(prompts, "cpu")
+    scores, ids = _select(cc.channel_scores, q, keys_cm, key_start, prompt_len, sink, recent, 3,
+                          k)
+    _check_selection(ids, scores, prompt_len, sink, recent, k)
+    assert (ids[0, :, :50 - sink - recent] >= 0).all()  # k covers the window: all of it
+    assert (ids[1] == -1).all()  # nothing between sink and recent
+
+
+def test_channels_use_the_channel_query():
+    """The "predicted" mode: channels from one query, partial scores with another."""
+    h_kv, head_dim = 1, 16
+    keys_cm, key_start = _channel_major_pool([40], h_kv, head_dim, torch.float32, "cpu")
+    absmax = cc.key_channel_absmax(keys_cm, key_start, _as_i32([40], "cpu"))
+    q_channel = torch.zeros(1, 2, head_dim)
+    q_channel[0, :, [3, 7]] = torch.tensor([[1.0, -2.0], [1.0, 0.5]])  # group sums 2, -1.5
+    channels = cc.critical_channels(q_channel, absmax, 2)
+    assert set(channels[0, 0].tolist()) == {3, 7}
+    q_channel[0, 1, 7] = 2.0  # the group's signed sum cancels channel 7 out
+    assert 7 not in cc.critical_channels(q_channel, absmax, 2)[0, 0].tolist()
+
+
+def test_key_channel_absmax():
+    keys_cm, key_start = _channel_major_pool(PROMPTS, 3, 16, torch.bfloat16, "cpu")
+    got = cc.key_channel_absmax(keys_cm, key_start, _as_i32(PROMPTS, "cpu"))
+    for b, (start, n) in enumerate(zip(key_start.tolist(), PROMPTS)):
+        want = (keys_cm[:, :, start:start + n].float().abs().amax(-1) if n
+                else torch.zeros(3, 16))
+        assert torch.equal(got[b], want)
+
+
+@pytest.mark.parametrize("group,head_dim,dtype", GRID)
+def test_triton_matches_reference(group, head_dim, dtype, kernel_device):
+    h_kv, sink, recent, num_channels, k = 2, 8, 120, 12, 96
+    keys_cm, key_start = _channel_major_pool(PROMPTS, h_kv, head_dim, dtype, kernel_device)
+    prompt_len = _as_i32(PROMPTS, kernel_device)
+    q = torch.randn(len(PROMPTS), h_kv * group, head_dim, device=kernel_device).to(dtype)
+    q_channel = torch.randn_like(q)
+    args = (q, keys_cm, key_start, prompt_len, sink, recent, num_channels, k)
+    got_scores, got_ids = _select(channel_kernels.channel_scores, *args, q_channel=q_channel)
+    want_scores, want_ids = _select(cc.channel_scores, *args, q_channel=q_channel)
+    torch.testing.assert_close(got_scores, want_scores, atol=1e-5, rtol=1e-5)
+    _check_selection(got_ids, want_scores, prompt_len, sink, recent, k)
+    assert torch.equal(got_ids >= 0, want_ids >= 0)
+
+
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_triton_with_ties(group, kernel_device):
+    """Few distinct key values: many equal scores; the selected scores must match as a set."""
+    h_kv, head_dim, sink, recent, k = 2, 64, 8, 16, 50
+    prompts = [400, 77, 1]
+    keys_cm, key_start = _channel_major_pool(prompts, h_kv, head_dim, torch.float32,
+                                             kernel_device)
+    keys_cm.copy_(torch.randint(-1, 2, keys_cm.shape, device=kernel_device).float())
+    q = torch.randint(-2, 3, (len(prompts), h_kv * group, head_dim), device=kernel_device).float()
+    prompt_len = _as_i32(prompts, kernel_device)
+    args = (q, keys_cm, key_start, prompt_len, sink, recent, 4, k)
+    got_scores, got_ids = _select(channel_kernels.channel_scores, *args)
+    want_scores, _ = _select(cc.channel_scores, *args)
+    assert torch.equal(got_scores, want_scores)
+    _check_selection(got_ids, want_scores, prompt_len, sink, recent, k)
+
+
+def test_dispatch_routes_channel_scores(monkeypatch):
+    calls = []
+    for name, module in (("triton", channel_kernels), ("torch", cc)):
+        real = module.channel_scores
+        monkeypatch.setattr(module, "channel_scores",
+                            lambda *a, name=name, real=real: calls.append(name) or real(*a))
+    keys_cm, key_start = _channel_major_pool([30], 1, 16, torch.float32, "cpu")
+    channels = torch.zeros(1, 1, 4, dtype=torch.int32)
+    args = (torch.randn(1, 2, 16), keys_cm, channels, key_start, _as_i32([30], "cpu"), 2, 2, 30)
+    ops.channel_scores(*args)  # CPU tensors: the reference
+    with ops.force_triton():
+        ops.channel_scores(*args)
+    with ops.kernel_mode("torch"):
+        ops.channel_scores(*args)
+    assert calls == ["torch", "triton", "torch"]
