@@ -1,0 +1,57 @@
+"""SpeCache's settings: the paper's defaults, parsing through the engine's typed parser, and
+the range and engine checks naming the key and the allowed values."""
+
+import pytest
+import torch
+
+from vllm_shadowkv.config import parse_settings
+from vllm_shadowkv.core.kivi import KiviFormat
+from vllm_shadowkv.methods.base import KVShapes, SettingsError
+from vllm_shadowkv.methods.specache import SpeCacheSettings
+
+
+def shapes(head=128):
+    return KVShapes(8, head, torch.bfloat16, 16, num_layers=2, max_model_len=32768)
+
+
+def test_paper_defaults():
+    s = parse_settings(SpeCacheSettings, {})
+    assert (s.bits, s.group_size, s.residual, s.top_k, s.prefetch, s.accept_guess) == (
+        1, 64, 64, 64, "speculative", False)
+    assert s.key == "specache"
+    s.check_engine(shapes())
+    assert s.kivi_format(128) == KiviFormat(1, 64, 128, 64, midpoint_one_bit=True)
+
+
+def test_explicit_settings_parse():
+    s = parse_settings(SpeCacheSettings, {"bits": 2, "group_size": 32, "residual": 96,
+                                          "top_k": 0, "prefetch": "current"})
+    assert (s.bits, s.group_size, s.residual, s.top_k, s.prefetch) == (2, 32, 96, 0, "current")
+    assert s.kivi_format(64) == KiviFormat(2, 32, 64, 32)
+    assert parse_settings(SpeCacheSettings, {"accept_guess": True}).accept_guess
+
+
+@pytest.mark.parametrize("raw, message", [
+    ({"bits": 4}, r"specache.bits must be one of 1, 2, got 4"),
+    ({"group_size": 16}, r"specache.group_size must be one of 32, 64, got 16"),
+    ({"residual": 32}, r"specache.residual must be >= 64, got 32"),
+    ({"group_size": 32, "residual": 80},
+     r"specache.residual \(80\) must be a multiple of group_size \(32\)"),
+    ({"top_k": -1}, r"specache.top_k must be >= 0, got -1"),
+    ({"prefetch": "next"}, r"specache.prefetch must be one of 'speculative', 'current', "
+                           r"got 'next'"),
+    ({"prefetch": "current", "accept_guess": True},
+     r"specache.accept_guess needs prefetch 'speculative'"),
+    ({"accept_guess": 1}, r"specache.accept_guess must be true or false"),
+    ({"window": 3}, r"unknown specache setting\(s\) 'window'; allowed: .*top_k, prefetch"),
+])
+def test_invalid_settings_name_the_key_and_the_allowed_values(raw, message):
+    with pytest.raises(SettingsError, match=message):
+        parse_settings(SpeCacheSettings, raw)
+
+
+def test_engine_checks_against_the_head_size():
+    with pytest.raises(SettingsError, match=r"specache.group_size \(64\) must divide the head "
+                                            r"size \(96\).*allowed here: 32"):
+        SpeCacheSettings().check_engine(shapes(96))
+    SpeCacheSettings(group_size=32).check_engine(shapes(96))

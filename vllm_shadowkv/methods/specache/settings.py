@@ -1,0 +1,79 @@
+"""The ``specache`` settings: the paper's defaults (§4.1; digest ../shared/spec/specache.md §7).
+
+KIVI's group size serves keys (tokens per group, one scale and zero per channel) and values
+(channels per group, one scale and zero per token) alike, as in the paper's size formula
+(B + 32 / g) / 16. At 1 bit the quantizer is SpeCache's modified one (core/kivi.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from vllm_shadowkv.core.kivi import KiviFormat
+from vllm_shadowkv.methods.base import EngineSettings, KVShapes, SettingsError, at_least
+
+BITS = (1, 2)
+GROUP_SIZES = (32, 64)
+PREFETCH_MODES = ("speculative", "current")
+
+
+@dataclass(frozen=True)
+class SpeCacheSettings(EngineSettings):
+    method: ClassVar[str] = "specache"
+
+    bits: int = 1
+    """Bits per quantized key and value on the pages: 1 (the modified 1-bit KIVI) or 2. The
+    default is the paper's headline configuration (1 bit, group 64: about 0.10x of the 16-bit
+    KV at 32K, Table 3's throughput)."""
+    group_size: int = 64
+    """KIVI group: 32 or 64 (tokens per key group, channels per value group)."""
+    residual: int = 64
+    """Most recent tokens kept 16-bit on the pages before they are quantized together (a
+    multiple of group_size)."""
+    top_k: int = 64
+    """Tokens per KV head and layer whose exact 16-bit K/V are fetched from the CPU store and
+    attended in place of their low-bit copies; 0: plain KIVI, nothing fetched."""
+    prefetch: str = "speculative"
+    """"speculative": each decode step also runs the model's guess of the next token, whose
+    attention picks the next step's top-k, fetched while the step computes; "current": the
+    output token's own attention picks the top-k, fetched, then attention again (no overlap)."""
+    accept_guess: bool = False
+    """Speculative only: when the output row confirms the guess (the guessed input token is
+    the token the output row produced), also emit the speculative row's token and keep its KV
+    (two tokens in that step, the second attended without its own top-k fetched); off, the
+    guess only steers the prefetch and its KV is dropped, as in the paper."""
+
+    def check(self) -> None:
+        super().check()
+        for name, allowed in (("bits", BITS), ("group_size", GROUP_SIZES)):
+            value = getattr(self, name)
+            if value not in allowed:
+                raise SettingsError(f"specache.{name} must be one of "
+                                    f"{', '.join(map(str, allowed))}, got {value}")
+        at_least(self, "residual", self.group_size)
+        if self.residual % self.group_size:
+            raise SettingsError(
+                f"specache.residual ({self.residual}) must be a multiple of group_size "
+                f"({self.group_size}): tokens are quantized in whole groups")
+        at_least(self, "top_k", 0)
+        if self.prefetch not in PREFETCH_MODES:
+            raise SettingsError(f"specache.prefetch must be one of "
+                                f"{', '.join(map(repr, PREFETCH_MODES))}, got {self.prefetch!r}")
+        if self.accept_guess and self.prefetch != "speculative":
+            raise SettingsError("specache.accept_guess needs prefetch 'speculative' (there is "
+                                f"no guess with prefetch {self.prefetch!r})")
+
+    def check_engine(self, shapes: KVShapes) -> None:
+        # A group size dividing the head size also packs whole int32 words of codes (32 // bits
+        # divides 32, which divides both group sizes).
+        d = shapes.head_size
+        if d % self.group_size:
+            raise SettingsError(
+                f"specache.group_size ({self.group_size}) must divide the head size ({d}): "
+                f"values are quantized in groups of channels; allowed here: "
+                f"{', '.join(str(g) for g in GROUP_SIZES if d % g == 0) or 'none'}")
+
+    def kivi_format(self, head_dim: int) -> KiviFormat:
+        return KiviFormat(bits=self.bits, group=self.group_size, head_dim=head_dim,
+                          value_group=self.group_size, midpoint_one_bit=True)
