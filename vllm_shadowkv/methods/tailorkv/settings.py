@@ -1,0 +1,116 @@
+"""The ``tailorkv`` settings: the paper's long-context defaults (digest §6: RULER/InfiniteBench,
+128 local tokens split 8 sink + 120 recent, 896 selected, 12 critical channels).
+
+``q_layers: "auto"`` names the quantization-friendly layers from the shipped table per model
+family, or from the layer-profiling command's output (``layers.py``); it needs the model's
+config, so the method resolves it, not ``resolved(shapes)``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import ClassVar
+
+from vllm_shadowkv.methods.base import EngineSettings, KVShapes, SettingsError, at_least
+
+AUTO = "auto"
+BITS = (1, 2)
+CHANNEL_QUERIES = ("current", "predicted")
+
+
+@dataclass(frozen=True)
+class TailorKVSettings(EngineSettings):
+    method: ClassVar[str] = "tailorkv"
+
+    q_layers: tuple[int, ...] | str = AUTO
+    """Quantization-friendly layers (KIVI-quantized on the GPU pages): a list of layer indices,
+    or "auto" (the paper's set for the model's family, else the layer-profiling command's
+    result). Every other layer is sparsity-friendly (offloaded, top-k at decode)."""
+    bits: int = 1
+    """Bits per quantized key and value in the Q-layers: 1 (TailorKV-1) or 2 (TailorKV-2)."""
+    group_size: int = 64
+    """Tokens per key group and channels per value group of the KIVI quantizer."""
+    residual: int = 128
+    """Tokens of a Q-layer held 16-bit before they are quantized together (a multiple of
+    group_size)."""
+    sink: int = 8
+    """First prompt tokens of an S-layer kept on the GPU pages, always attended."""
+    recent: int = 120
+    """Last prompt tokens of an S-layer kept on the GPU pages, always attended."""
+    top_k: int = 896
+    """Prompt tokens selected per KV head at each decode step in an S-layer, from those between
+    the sink and the recent window."""
+    top_k_ratio: float | None = None
+    """If set, replaces top_k: the selected tokens as a share of the prompt, in (0, 1]."""
+    critical_channels: int = 12
+    """Key channels d_s per KV head that score the tokens (largest |q| x max|K|)."""
+    channel_query: str = "current"
+    """Which query picks the critical channels: "current" (the layer's own query) or
+    "predicted" (the paper's: the layer's q_proj applied to the previous layer's hidden state)."""
+
+    def __post_init__(self) -> None:
+        # JSON gives a list; a tuple keeps the frozen settings hashable.
+        if isinstance(self.q_layers, list):
+            object.__setattr__(self, "q_layers", tuple(self.q_layers))
+
+    def check(self) -> None:
+        super().check()
+        layers = self.q_layers
+        if isinstance(layers, str):
+            if layers != AUTO:
+                raise SettingsError(f"tailorkv.q_layers must be a list of layer indices or "
+                                    f"{AUTO!r}, got {layers!r}")
+        elif not isinstance(layers, tuple) or not all(
+                isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in layers):
+            raise SettingsError(f"tailorkv.q_layers must be a list of layer indices (ints >= 0) "
+                                f"or {AUTO!r}, got {layers!r}")
+        elif len(set(layers)) != len(layers):
+            raise SettingsError(f"tailorkv.q_layers lists a layer twice: {list(layers)}")
+        if self.bits not in BITS:
+            raise SettingsError(f"tailorkv.bits must be one of {', '.join(map(str, BITS))}, "
+                                f"got {self.bits}")
+        at_least(self, "group_size", 1)
+        at_least(self, "residual", self.group_size)
+        if self.residual % self.group_size:
+            raise SettingsError(
+                f"tailorkv.residual ({self.residual}) must be a multiple of group_size "
+                f"({self.group_size}): tokens are quantized in whole groups")
+        at_least(self, "sink", 0)
+        at_least(self, "recent", 0)
+        at_least(self, "top_k", 1)
+        if self.top_k_ratio is not None and not 0.0 < self.top_k_ratio <= 1.0:
+            raise SettingsError(f"tailorkv.top_k_ratio must be in (0, 1] (a share of the "
+                                f"prompt) or unset, got {self.top_k_ratio}")
+        at_least(self, "critical_channels", 1)
+        if self.channel_query not in CHANNEL_QUERIES:
+            raise SettingsError(
+                f"tailorkv.channel_query must be one of "
+                f"{', '.join(map(repr, CHANNEL_QUERIES))}, got {self.channel_query!r}")
+
+    def check_engine(self, shapes: KVShapes) -> None:
+        d = shapes.head_size
+        if self.critical_channels > d:
+            raise SettingsError(f"tailorkv.critical_channels ({self.critical_channels}) exceeds "
+                                f"the head size ({d}); allowed: 1..{d}")
+        if d % self.group_size:
+            divisors = [g for g in range(1, d + 1) if d % g == 0]
+            raise SettingsError(
+                f"tailorkv.group_size ({self.group_size}) must divide the head size ({d}): "
+                f"values are quantized in groups of channels; allowed here: {divisors}")
+        if d % (32 // self.bits):
+            raise SettingsError(
+                f"tailorkv.bits {self.bits} packs {32 // self.bits} codes per int32 along the "
+                f"channels, which must divide the head size ({d})")
+        if isinstance(self.q_layers, tuple):
+            outside = [i for i in self.q_layers if i >= shapes.num_layers]
+            if outside:
+                raise SettingsError(
+                    f"tailorkv.q_layers {outside} are not layers of this model: it has "
+                    f"{shapes.num_layers} attention layers (allowed: 0..{shapes.num_layers - 1})")
+
+    def top_k_for(self, prompt_len: int) -> int:
+        """Prompt tokens selected per KV head for a prompt of this length."""
+        if self.top_k_ratio is None:
+            return self.top_k
+        return max(1, math.ceil(self.top_k_ratio * prompt_len))
