@@ -48,6 +48,32 @@ def test_round_trip_random_shapes(dtype):
         assert torch.equal(every, src.reshape(-1, C, D))
 
 
+def test_one_gather_for_many_keys_equals_a_gather_per_key():
+    gen = torch.Generator().manual_seed(1)
+    store = make_store(page_rows=4)  # keys over several pages and extents
+    sources = {("req", i): values(h, n) for i, (h, n) in enumerate([(2, 9), (1, 1), (4, 37)])}
+    for key, src in sources.items():
+        store.put(key, src)
+    keys = [("req", 2), ("req", 0), ("req", 1), ("req", 2)]  # any order, repeats, empty parts
+    counts = [11, 0, 3, 5]
+    heads, chunks, expected = [], [], []
+    for key, m in zip(keys, counts):
+        h_kv, n = sources[key].shape[:2]
+        h, ch = torch.randint(h_kv, (m,), generator=gen), torch.randint(n, (m,), generator=gen)
+        heads.append(h), chunks.append(ch), expected.append(sources[key][h, ch])
+    out = torch.empty(sum(counts), C, D)
+    got = store.gather_many(keys, torch.cat(heads), torch.cat(chunks), counts, out)
+    assert got is out and torch.equal(out, torch.cat(expected))
+    reference = InMemoryValueStore()
+    for key, src in sources.items():
+        reference.put(key, src)
+    assert torch.equal(reference.gather_many(keys, torch.cat(heads), torch.cat(chunks), counts,
+                                             torch.empty_like(out)), out)
+    with pytest.raises(IndexError, match=r"\('req', 1\) holds 1 heads x 1 rows"):
+        store.gather_many(keys[:3], torch.tensor([0, 0]), torch.tensor([8, 1]), [1, 0, 1],
+                          torch.empty(2, C, D))
+
+
 def test_put_accepts_a_permuted_view_and_empty_gathers():
     store = make_store()
     src = torch.randn(5, 3, C, D)  # [n_chunks, h, c, d] as compress_prompt permutes it
@@ -131,7 +157,7 @@ def test_allocation_is_lazy():
     assert store.allocated_bytes < 1e-4 * store.capacity_bytes
 
 
-def test_gather_into_on_cpu_and_counters():
+def test_gather_many_into_a_view_and_counters():
     store = make_store(dtype=torch.bfloat16)
     src = values(3, 9, torch.bfloat16)
     store.put("k", src)
@@ -139,7 +165,7 @@ def test_gather_into_on_cpu_and_counters():
     h, ch = torch.tensor([2, 0, 1, 2]), torch.tensor([8, 0, 4, 8])
     out = torch.zeros(6, C, D, dtype=torch.bfloat16)
     view = out[1:5]
-    assert store.gather_into("k", h, ch, view) is view
+    assert store.gather_many(["k", "unstored"], h, ch, [4, 0], view) is view
     assert torch.equal(out[1:5], src[h, ch]) and (out[0] == 0).all() and (out[5] == 0).all()
     row_bytes = C * D * 2
     assert store.bytes_fetched == 4 * row_bytes

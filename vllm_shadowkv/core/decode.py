@@ -128,16 +128,11 @@ class DecodeBatch:
         return hi.cpu(), chunks.cpu(), miss_count.sum(dim=-1).tolist()
 
     def _fetch_values(self, heads, chunks, per_request, store: ValueStore) -> torch.Tensor:
-        """The missed value rows gathered on the host and copied to the slots' device on the copy
+        """The missed value rows of every request gathered on the host at once and copied to the slots' device on the copy
         stream (see transfer.py)."""
         shape = (len(heads), self.params.chunk_size, self.slot_v.shape[-1])
         staging = transfer.host_staging(shape, self.slot_v)
-        start = 0
-        for key, h, ch, n in zip(self.store_keys, heads.split(per_request),
-                                 chunks.split(per_request), per_request):
-            if n:
-                store.gather_into(key, h, ch, staging[start:start + n])
-                start += n
+        store.gather_many(self.store_keys, heads, chunks, per_request, staging)
         return transfer.to_device_async(staging, self.slot_v.device)
 
     def _refresh_slots(self, q: torch.Tensor, store: ValueStore) -> None:

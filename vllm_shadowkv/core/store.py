@@ -14,9 +14,10 @@ class ValueStore(Protocol):
     def put(self, key: Hashable, values: torch.Tensor) -> None:
         """Keep `values` [h_kv, n_chunks, chunk_size, d] of one request (one layer) under `key`."""
 
-    def gather_into(self, key: Hashable, heads: torch.Tensor, chunks: torch.Tensor,
-                    out: torch.Tensor) -> torch.Tensor:
-        """Rows (heads[i], chunks[i]) of `key` into host tensor `out` [M, chunk_size, d]."""
+    def gather_many(self, keys: list[Hashable], heads: torch.Tensor, chunks: torch.Tensor,
+                    counts: list[int], out: torch.Tensor) -> torch.Tensor:
+        """Rows (heads[i], chunks[i]) into host tensor `out` [M, chunk_size, d], for several keys
+        at once: key j owns the next counts[j] rows."""
 
     def free(self, key: Hashable) -> None:
         """Give back everything held for `key`."""
@@ -36,9 +37,11 @@ class InMemoryValueStore:
         values = self._values[key]
         return values[heads.to(self.device).long(), chunks.to(self.device).long()]
 
-    def gather_into(self, key: Hashable, heads: torch.Tensor, chunks: torch.Tensor,
-                    out: torch.Tensor) -> torch.Tensor:
-        return out.copy_(self.gather(key, heads, chunks))
+    def gather_many(self, keys: list[Hashable], heads: torch.Tensor, chunks: torch.Tensor,
+                    counts: list[int], out: torch.Tensor) -> torch.Tensor:
+        parts = zip(keys, heads.split(counts), chunks.split(counts))
+        return out.copy_(torch.cat([self.gather(k, h, c) for k, h, c in parts if len(h)]
+                                   or [out[:0]]))
 
     def free(self, key: Hashable) -> None:
         self._values.pop(key, None)

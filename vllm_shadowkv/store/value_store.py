@@ -132,26 +132,58 @@ class CpuValueStore:
     def gather(self, key: Hashable, heads: torch.Tensor, chunks: torch.Tensor) -> torch.Tensor:
         """Rows (heads[i], chunks[i]) of `key` -> [M, *row_shape] on the CPU."""
         out = torch.empty((len(heads), *self.row_shape), dtype=self.dtype)
-        return self.gather_into(key, heads, chunks, out)
+        return self.gather_many([key], heads, chunks, [len(heads)], out)
 
-    def gather_into(self, key: Hashable, heads: torch.Tensor, chunks: torch.Tensor,
-                    out: torch.Tensor) -> torch.Tensor:
-        """`gather` into the CPU tensor `out` [M, *row_shape] (a slice of the decode step's pinned
-        staging buffer on CUDA, which the core then copies on its copy stream)."""
-        entry = self._entries.get(key)
-        if entry is None:
-            raise KeyError(f"value store has no values for key {key!r} (never put, or freed)")
+    def gather_many(self, keys: list[Hashable], heads: torch.Tensor, chunks: torch.Tensor,
+                    counts: list[int], out: torch.Tensor) -> torch.Tensor:
+        """Rows of several keys into the CPU tensor `out` [M, *row_shape] at once: key i owns the
+        next counts[i] of (heads, chunks) (a key with none need not be stored). One index_select per extent the rows touch, whatever
+        the number of keys (on CUDA `out` is the decode step's pinned staging buffer, which the
+        core then copies on its copy stream)."""
+        stored = [(k, n) for k, n in zip(keys, counts) if n]
+        if not stored:
+            return out
+        keys, counts = zip(*stored)
+        entries = []
+        for key in keys:
+            entry = self._entries.get(key)
+            if entry is None:
+                raise KeyError(f"value store has no values for key {key!r} (never put, or freed)")
+            entries.append(entry)
         heads, chunks = heads.cpu().long(), chunks.cpu().long()
-        if len(heads) and not (0 <= heads.min() and heads.max() < entry.num_heads
-                               and 0 <= chunks.min() and chunks.max() < entry.num_rows):
-            raise IndexError(f"value store: key {key!r} holds {entry.num_heads} heads x "
-                             f"{entry.num_rows} rows; asked for heads {heads.tolist()}, "
-                             f"chunks {chunks.tolist()}")
-        for extent, at, local in self._by_extent(entry, heads * entry.num_rows + chunks):
-            if at is None:
-                torch.index_select(extent, 0, local, out=out)
-            else:
-                out[at] = extent.index_select(0, local)
+        per_row = torch.tensor(counts)
+
+        def each_row(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values).repeat_interleave(per_row)
+
+        num_heads = each_row([e.num_heads for e in entries])
+        num_rows = each_row([e.num_rows for e in entries])
+        bad = (heads < 0) | (heads >= num_heads) | (chunks < 0) | (chunks >= num_rows)
+        if bad.any():
+            i = int(bad.nonzero()[0])
+            key = keys[int(torch.searchsorted(per_row.cumsum(0), i, right=True))]
+            raise IndexError(f"value store: key {key!r} holds {int(num_heads[i])} heads x "
+                             f"{int(num_rows[i])} rows; asked for head {int(heads[i])}, "
+                             f"row {int(chunks[i])}")
+        # Each key's pages follow the previous keys' in one table.
+        first_page = each_row(torch.tensor([0] + [len(e.pages) for e in entries[:-1]])
+                              .cumsum(0).tolist())
+        rows = heads * num_rows + chunks
+        page = first_page + rows // self.page_rows
+        if len(entries) == 1:
+            page_extent, page_base = entries[0].page_extent, entries[0].page_base
+        else:
+            page_extent = torch.cat([e.page_extent for e in entries])
+            page_base = torch.cat([e.page_base for e in entries])
+        extent_of, local = page_extent[page], page_base[page] + rows % self.page_rows
+        extents = sorted({x for e in entries for x in e.extents})
+        if len(extents) == 1:
+            torch.index_select(self._extents[extents[0]], 0, local, out=out)
+        else:
+            for extent_id in extents:
+                at = (extent_of == extent_id).nonzero().squeeze(1)
+                if len(at):
+                    out[at] = self._extents[extent_id].index_select(0, local[at])
         self.bytes_fetched += out.numel() * out.element_size()
         return out
 
