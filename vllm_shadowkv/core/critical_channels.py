@@ -66,7 +66,7 @@ def channel_scores(
 
     q [B, h_q, d] (one decode query per request); channels [B, h_kv, d_s] int32.
     """
-    batch, h_q, head_dim = q.shape
+    batch = q.shape[0]
     h_kv = keys_cm.shape[0]
     out = q.new_full((batch, h_kv, max_len), float("-inf"), dtype=torch.float32)
     qg = group_query(q, h_kv)
