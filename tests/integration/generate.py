@@ -8,7 +8,9 @@ RESULT:  {"backends": {layer: backend name}, "runner": {"class", "v1", ...},
           "rank_backends": [{layer: backend name} of each rank],
           "rank_runners": [runner of each rank], "start_s": engine start time,
           "stats": [kv_compression_stats of rank 0 after each batch] (plugin methods only),
-          "rank_stats": [[kv_compression_stats of each rank] after each batch] (plugin methods only)}
+          "rank_stats": [[kv_compression_stats of each rank] after each batch] (plugin methods only),
+          "spec_decode": {counter: value} at the end (with a speculative_config and
+          disable_log_stats False in engine_kwargs)}
 """
 
 import json
@@ -53,4 +55,10 @@ if __name__ == "__main__":  # vLLM spawns its engine core: keep the entry point 
             }
             for o in outputs
         ])
+    if "speculative_config" in request.get("engine_kwargs", {}):
+        from vllm.v1.metrics.reader import Counter
+
+        result["spec_decode"] = {
+            m.name: m.value for m in llm.get_metrics()
+            if m.name.startswith("vllm:spec_decode") and isinstance(m, Counter)}
     open(sys.argv[2], "w").write(json.dumps(result))
