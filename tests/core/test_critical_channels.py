@@ -1,16 +1,24 @@
 """TailorKV's critical-channel token selection: the torch reference against a brute-force loop and
-exact logits, the Triton kernel (interpreted on the CPU, see conftest.py) against the reference,
-GQA groups 1/4/8, signed scores, the sink/recent/generated exclusions, ties."""
+exact logits, the Triton kernel (interpreted on the CPU, see conftest.py) and the compiled CPU
+kernel against the reference, GQA groups 1/4/8, signed scores, the sink/recent/generated
+exclusions, ties."""
 
 import pytest
 import torch
 
+from vllm_shadowkv.core import cpu_kernels, ops
 from vllm_shadowkv.core import critical_channels as cc
-from vllm_shadowkv.core import ops
 from vllm_shadowkv.triton_kernels import channel_kernels
 
 PROMPTS = [300, 0, 37, 129, 1000]  # irregular; empty; shorter than sink + recent
 GRID = [(g, d, dt) for g in (1, 4, 8) for d in (64, 128) for dt in (torch.float32, torch.bfloat16)]
+KERNELS = {"triton": channel_kernels, "cpu": cpu_kernels}
+
+
+def _kernel(impl, device):
+    if impl == "cpu" and (device.type != "cpu" or not cpu_kernels.available()):
+        pytest.skip("compiled CPU kernels: CPU tensors and a C++ compiler")
+    return KERNELS[impl].channel_scores
 
 
 def _as_i32(xs, device):
@@ -156,23 +164,25 @@ def test_key_channel_absmax():
         assert torch.equal(got[b], want)
 
 
+@pytest.mark.parametrize("impl", list(KERNELS))
 @pytest.mark.parametrize("group,head_dim,dtype", GRID)
-def test_triton_matches_reference(group, head_dim, dtype, kernel_device):
+def test_kernel_matches_reference(group, head_dim, dtype, impl, kernel_device):
     h_kv, sink, recent, num_channels, k = 2, 8, 120, 12, 96
     keys_cm, key_start = _channel_major_pool(PROMPTS, h_kv, head_dim, dtype, kernel_device)
     prompt_len = _as_i32(PROMPTS, kernel_device)
     q = torch.randn(len(PROMPTS), h_kv * group, head_dim, device=kernel_device).to(dtype)
     q_channel = torch.randn_like(q)
     args = (q, keys_cm, key_start, prompt_len, sink, recent, num_channels, k)
-    got_scores, got_ids = _select(channel_kernels.channel_scores, *args, q_channel=q_channel)
+    got_scores, got_ids = _select(_kernel(impl, kernel_device), *args, q_channel=q_channel)
     want_scores, want_ids = _select(cc.channel_scores, *args, q_channel=q_channel)
     torch.testing.assert_close(got_scores, want_scores, atol=1e-5, rtol=1e-5)
     _check_selection(got_ids, want_scores, prompt_len, sink, recent, k)
     assert torch.equal(got_ids >= 0, want_ids >= 0)
 
 
+@pytest.mark.parametrize("impl", list(KERNELS))
 @pytest.mark.parametrize("group", [1, 4, 8])
-def test_triton_with_ties(group, kernel_device):
+def test_kernel_with_ties(group, impl, kernel_device):
     """Few distinct key values: many equal scores; the selected scores must match as a set."""
     h_kv, head_dim, sink, recent, k = 2, 64, 8, 16, 50
     prompts = [400, 77, 1]
@@ -182,7 +192,7 @@ def test_triton_with_ties(group, kernel_device):
     q = torch.randint(-2, 3, (len(prompts), h_kv * group, head_dim), device=kernel_device).float()
     prompt_len = _as_i32(prompts, kernel_device)
     args = (q, keys_cm, key_start, prompt_len, sink, recent, 4, k)
-    got_scores, got_ids = _select(channel_kernels.channel_scores, *args)
+    got_scores, got_ids = _select(_kernel(impl, kernel_device), *args)
     want_scores, _ = _select(cc.channel_scores, *args)
     assert torch.equal(got_scores, want_scores)
     _check_selection(got_ids, want_scores, prompt_len, sink, recent, k)
@@ -190,16 +200,16 @@ def test_triton_with_ties(group, kernel_device):
 
 def test_dispatch_routes_channel_scores(monkeypatch):
     calls = []
-    for name, module in (("triton", channel_kernels), ("torch", cc)):
+    for name, module in (("triton", channel_kernels), ("cpu", cpu_kernels), ("torch", cc)):
         real = module.channel_scores
         monkeypatch.setattr(module, "channel_scores",
                             lambda *a, name=name, real=real: calls.append(name) or real(*a))
     keys_cm, key_start = _channel_major_pool([30], 1, 16, torch.float32, "cpu")
     channels = torch.zeros(1, 1, 4, dtype=torch.int32)
     args = (torch.randn(1, 2, 16), keys_cm, channels, key_start, _as_i32([30], "cpu"), 2, 2, 30)
-    ops.channel_scores(*args)  # CPU tensors: the reference
+    ops.channel_scores(*args)  # CPU tensors: the compiled kernel (with a compiler)
     with ops.force_triton():
         ops.channel_scores(*args)
     with ops.kernel_mode("torch"):
         ops.channel_scores(*args)
-    assert calls == ["torch", "triton", "torch"]
+    assert calls == ["cpu" if cpu_kernels.available() else "torch", "triton", "torch"]

@@ -1,6 +1,7 @@
 """CPU kernels of the decode steps' compute-heavy stages, compiled by torch.compile (inductor's
-C++ backend), with the signatures of their torch references in select.py, reconstruct.py and
-quant_attention.py (attention over KIVI groups, MiniKV: about 5x the blocked torch path).
+C++ backend), with the signatures of their torch references in select.py, reconstruct.py,
+quant_attention.py (attention over KIVI groups, MiniKV: about 5x the blocked torch path) and
+critical_channels.py (TailorKV's partial scores).
 
 Eager torch spends these stages copying: the landmarks converted to fp32 and permuted before
 a matmul with four columns, the missed A rows gathered by advanced indexing, RoPE as a dozen
@@ -17,6 +18,7 @@ import shutil
 
 import torch
 
+from . import critical_channels
 from .rope import RopeCache, apply_rope
 
 
@@ -87,6 +89,18 @@ def rebuild_keys(a, a_rows, a_positions, a_start, b, slot_chunks, miss_slots, mi
     dest = (slots.unsqueeze(-1) * c + offsets).flatten(2)  # [B, h, w*c]
     bi, hi, ti = valid.unsqueeze(-1).expand(-1, -1, -1, c).flatten(2).nonzero(as_tuple=True)
     slot_k[bi, hi, dest[bi, hi, ti]] = keys[bi, hi, ti].to(slot_k.dtype)
+
+
+@_compiled
+def _partial_scores(q_crit: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """critical_channels.partial_scores with the keys' conversion to fp32 fused into the
+    product (eager: a fp32 copy of the gathered rows, then a matmul with one row)."""
+    return (keys.float() * q_crit[:, :, None]).sum(dim=1)
+
+
+def channel_scores(q, keys_cm, channels, key_start, prompt_len, sink, recent, max_len):
+    return critical_channels.scores_per_request(q, keys_cm, channels, key_start, prompt_len,
+                                                sink, recent, max_len, _partial_scores)
 
 
 @functools.cache

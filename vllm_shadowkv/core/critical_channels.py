@@ -11,8 +11,9 @@ paper takes the mean, the same order) for both the channel choice and the partia
 the top-k is per KV head.
 
 `channel_scores` is the torch reference of the Triton kernel in
-vllm_shadowkv.triton_kernels.channel_kernels (same signature); the others are vectorised torch
-used on every device (small tensors, or one torch.topk).
+vllm_shadowkv.triton_kernels.channel_kernels and of the compiled CPU kernel in cpu_kernels.py
+(same signature); the others are vectorised torch used on every device (small tensors, or one
+torch.topk).
 """
 
 import torch
@@ -66,8 +67,21 @@ def channel_scores(
 
     q [B, h_q, d] (one decode query per request); channels [B, h_kv, d_s] int32.
     """
+    return scores_per_request(q, keys_cm, channels, key_start, prompt_len, sink, recent,
+                              max_len, partial_scores)
+
+
+def partial_scores(q_crit: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """q_crit [h_kv, d_s] fp32, keys [h_kv, d_s, m] -> [h_kv, m] fp32."""
+    return torch.einsum("hc,hcm->hm", q_crit, keys.float())
+
+
+def scores_per_request(q, keys_cm, channels, key_start, prompt_len, sink, recent, max_len,
+                       product) -> torch.Tensor:
+    """`channel_scores`, one request at a time: its channel rows gathered, then ``product``
+    (`partial_scores` or a compiled equivalent)."""
     batch = q.shape[0]
-    h_kv = keys_cm.shape[0]
+    h_kv, head_dim, _ = keys_cm.shape
     out = q.new_full((batch, h_kv, max_len), float("-inf"), dtype=torch.float32)
     qg = group_query(q, h_kv)
     heads = torch.arange(h_kv, device=q.device).view(-1, 1)
@@ -76,9 +90,11 @@ def channel_scores(
         if hi <= lo:
             continue
         ch = channels[b].long()  # [h_kv, d_s]
-        keys = keys_cm[:, :, start + lo:start + hi][heads, ch].float()  # [h_kv, d_s, m]
-        q_crit = qg[b].gather(1, ch)  # [h_kv, d_s]
-        out[b, :, lo:hi] = torch.einsum("hc,hcm->hm", q_crit, keys)
+        # Channel rows by index_select (a row copy each; advanced indexing is ~4x slower).
+        rows = (heads * head_dim + ch).flatten()
+        keys = keys_cm[:, :, start + lo:start + hi].reshape(h_kv * head_dim, hi - lo)
+        keys = keys.index_select(0, rows).view(h_kv, -1, hi - lo)  # [h_kv, d_s, m]
+        out[b, :, lo:hi] = product(qg[b].gather(1, ch), keys)
     return out
 
 

@@ -63,7 +63,8 @@ def select_chunks(scores, landmark_chunks, lm_start, lm_count, k):
 
 
 def channel_scores(q, keys_cm, channels, key_start, prompt_len, sink, recent, max_len):
-    impl = _kernels("channel_kernels") if _use_triton(q) else critical_channels
+    impl = (_kernels("channel_kernels") if _use_triton(q)
+            else cpu_kernels if _compiled_cpu(q) else critical_channels)
     return impl.channel_scores(q, keys_cm, channels, key_start, prompt_len, sink, recent, max_len)
 
 
