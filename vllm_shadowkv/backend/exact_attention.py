@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from vllm_shadowkv.core.attention import merge_attention
+from vllm_shadowkv.core.attention import causal_attention_cpu
 
 if TYPE_CHECKING:
     from vllm_shadowkv.backend.layout import PageLayout
@@ -41,7 +41,7 @@ def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     accumulation.
     """
     if query.device.type == "cpu":
-        return _causal_attention_cpu(query, key, value, scale)
+        return causal_attention_cpu(query, key, value, scale)[0]
     q_len, s_len = query.shape[0], key.shape[0]
     mask = None
     if 1 < q_len < s_len:  # a later prefill chunk: query i sits at position s - q + i
@@ -51,32 +51,6 @@ def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
         query.transpose(0, 1)[None], key.transpose(0, 1)[None], value.transpose(0, 1)[None],
         attn_mask=mask, is_causal=1 < q_len == s_len, scale=scale, enable_gqa=True)
     return out[0].transpose(0, 1)
-
-
-_flash_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-
-
-def _causal_attention_cpu(query, key, value, scale):
-    """torch's CPU flash kernel, once per query head of each KV group (K/V are never repeated
-    per query head), over the prefix (no mask) and the chunk (causal), merged by their LSE: no
-    [q, s] mask and no fp32 copy of the context."""
-    q_len, h_q, head_dim = query.shape
-    s_len, h_kv, _ = key.shape
-    group, prefix = h_q // h_kv, s_len - q_len
-    queries = query.transpose(0, 1).unflatten(0, (h_kv, group))  # [h_kv, G, q, d]
-    keys, values = key.transpose(0, 1)[None], value.transpose(0, 1)[None]  # [1, h_kv, s, d]
-    out = torch.empty(h_kv, group, q_len, head_dim, dtype=query.dtype, device=query.device)
-    for g in range(group):
-        q = queries[:, g][None]
-        chunk = _flash_cpu(q, keys[:, :, prefix:], values[:, :, prefix:], 0.0, q_len > 1,
-                           scale=scale)
-        if prefix == 0:
-            out[:, g] = chunk[0][0]
-            continue
-        before = _flash_cpu(q, keys[:, :, :prefix], values[:, :, :prefix], 0.0, False,
-                            scale=scale)
-        out[:, g] = merge_attention([before[0], chunk[0]], [before[1], chunk[1]])[0][0]
-    return out.flatten(0, 1).transpose(0, 1)
 
 
 def exact_attention(kv_cache, layout: PageLayout, prompt_len: int, block_ids, seq_len: int,

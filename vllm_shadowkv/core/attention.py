@@ -46,6 +46,33 @@ def attention_with_lse(
     return out.reshape(batch, s_q, h_q, head_dim).to(q.dtype), lse.reshape(batch, s_q, h_q)
 
 
+def causal_attention_cpu(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                         scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The last ``q`` positions of a sequence attend all its ``s`` keys, causally, on the CPU:
+    query [q, Hq, d], key/value [s, Hkv, d] -> out [q, Hq, d], lse [Hkv, G, q] fp32.
+
+    torch's flash kernel, once per query head of each KV group (K/V are never repeated per
+    query head), over the prefix (no mask) and the chunk (causal), merged by their LSE: no
+    [q, s] mask and no fp32 copy of the context."""
+    q_len, h_q, head_dim = query.shape
+    s_len, h_kv, _ = key.shape
+    group, prefix = h_q // h_kv, s_len - q_len
+    queries = query.transpose(0, 1).unflatten(0, (h_kv, group))  # [h_kv, G, q, d]
+    keys, values = key.transpose(0, 1)[None], value.transpose(0, 1)[None]  # [1, h_kv, s, d]
+    out = torch.empty(h_kv, group, q_len, head_dim, dtype=query.dtype, device=query.device)
+    lse = torch.empty(h_kv, group, q_len, dtype=torch.float32, device=query.device)
+    for g in range(group):
+        q = queries[:, g][None]
+        chunk = _flash_cpu(q, keys[:, :, prefix:], values[:, :, prefix:], 0.0, q_len > 1,
+                           scale=scale)
+        if prefix:
+            before = _flash_cpu(q, keys[:, :, :prefix], values[:, :, :prefix], 0.0, False,
+                                scale=scale)
+            chunk = merge_attention([before[0], chunk[0]], [before[1], chunk[1]])
+        out[:, g], lse[:, g] = chunk[0][0], chunk[1][0]
+    return out.flatten(0, 1).transpose(0, 1), lse
+
+
 def attention_with_lse_reference(
     q: torch.Tensor,
     k: torch.Tensor,

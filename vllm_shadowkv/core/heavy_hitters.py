@@ -6,12 +6,20 @@ column sums): sum_i exp(q_i . k_j * scale - LSE_i) under the causal mask, normal
 selects for itself, so K/V are never expanded to query heads (spec §10.3).
 
 Chunked prefill: each chunk adds its queries' contributions to every key so far, so summing
-chunk by chunk equals one whole-prompt pass. Logits are taken in tiles of QUERY_BLOCK x
-KEY_BLOCK, twice (the row LSE first, then the normalised column sums), so the [n, L] map of a
-long prompt is never materialised.
+chunk by chunk equals one whole-prompt pass; the [n, L] map of a long prompt is never
+materialised. On the CPU both passes run torch's flash kernel: the rows' LSE from the causal
+attention, then the column sums as the LSE of the transposed attention, in which each key asks
+the chunk's query rows and each row carries its own -LSE as an extra channel (about 2x the
+exact attention's time where explicit fp32 tiles took 8x; benchmarks/bench_heavy_hitters.py).
+Elsewhere the logits are taken in tiles of QUERY_BLOCK x KEY_BLOCK, twice (row LSE, then the
+normalised column sums): ``chunk_column_sums_reference``.
 """
 
 import torch
+
+from .attention import causal_attention_cpu
+
+_flash_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
 QUERY_BLOCK = 256
 KEY_BLOCK = 2048
@@ -38,13 +46,22 @@ def accumulate_column_sums(
     chunk's queries at positions [start, start + n); k [start + n, h_kv, d] all keys so far.
     -> [h_kv, start + n] fp32.
     """
+    start = k.shape[0] - q.shape[0]
+    chunk = (_chunk_column_sums_cpu if q.device.type == "cpu"
+             else chunk_column_sums_reference)(q, k, scale)
+    if col_sums is not None:
+        assert col_sums.shape == (k.shape[1], start)
+        chunk[:, :start] += col_sums
+    return chunk
+
+
+def chunk_column_sums_reference(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
+    """One chunk's contribution to every key's column sum: q [n, h_q, d] at positions
+    [start, start + n), k [start + n, h_kv, d] -> [h_kv, start + n] fp32, in fp32 tiles."""
     n, h_q, head_dim = q.shape
     length, h_kv, _ = k.shape
     start = length - n
     total = torch.zeros(h_kv, length, dtype=torch.float32, device=q.device)
-    if col_sums is not None:
-        assert col_sums.shape == (h_kv, start)
-        total[:, :start] = col_sums
     for i0 in range(0, n, QUERY_BLOCK):
         qb = q[i0:i0 + QUERY_BLOCK].float()
         qg = qb.reshape(-1, h_kv, h_q // h_kv, head_dim).permute(1, 2, 0, 3)  # [h_kv, G, n', d]
@@ -54,6 +71,35 @@ def accumulate_column_sums(
             probs = torch.exp(logits - lse.unsqueeze(-1))  # [h_kv, G, n', c]
             total[:, j0:j0 + probs.shape[-1]] += probs.sum(dim=(1, 2))
     return total
+
+
+def _chunk_column_sums_cpu(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
+    """``chunk_column_sums_reference`` through the flash kernel. sum_i exp(s q_i.k_j - lse_i)
+    is the exp of the LSE of an attention in which key j is the query and row i the key, both
+    widened by one channel ([k_j, 1] . [q_i, -lse_i / s]); fp32, so the -LSE channel is exact.
+    Prefix keys see every row; a chunk key sees the rows at or after it, which is causal once
+    both sequences are reversed."""
+    n, h_q, head_dim = q.shape
+    length, h_kv, _ = k.shape
+    group, start = h_q // h_kv, length - n
+    _, lse = causal_attention_cpu(q, k, k, scale)  # [h_kv, G, n]; the values do not matter
+    width = -(-(head_dim + 1) // 16) * 16  # the extra channel, padded with zeros
+    keys = q.new_zeros(1, h_kv, length, width, dtype=torch.float32)
+    keys[..., :head_dim], keys[..., head_dim] = k.transpose(0, 1), 1.0
+    chunk_keys = keys[:, :, start:].flip(2)
+    rows = q.transpose(0, 1).unflatten(0, (h_kv, group))  # [h_kv, G, n, d]
+    total = torch.full((h_kv, length), float("-inf"), device=q.device)
+    for g in range(group):
+        row_keys = q.new_zeros(1, h_kv, n, width, dtype=torch.float32)
+        row_keys[..., :head_dim], row_keys[..., head_dim] = rows[:, g], -lse[:, g] / scale
+        if start:
+            prefix = _flash_cpu(keys[:, :, :start], row_keys, row_keys, 0.0, False,
+                                scale=scale)[1][0]
+            total[:, :start] = torch.logaddexp(total[:, :start], prefix)
+        reversed_rows = row_keys.flip(2)
+        own = _flash_cpu(chunk_keys, reversed_rows, reversed_rows, 0.0, True, scale=scale)[1][0]
+        total[:, start:] = torch.logaddexp(total[:, start:], own.flip(-1))
+    return total.exp()
 
 
 def select_heavy_hitters(
