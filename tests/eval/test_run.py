@@ -27,7 +27,7 @@ def test_runner_default_and_covering_shadowkv_agree_and_run_sparse(tmp_path):
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
     env.pop("TRITON_INTERPRET", None)  # the engine's CPU path must not see the interpreter
     # cwd: not the repository root, whose top-level triton_kernels/ would shadow vLLM's probe.
-    subprocess.run(cmd, check=True, timeout=300, env=env, cwd=tmp_path)
+    subprocess.run(cmd, check=True, timeout=600, env=env, cwd=tmp_path)
 
     result = json.loads((out / "results.json").read_text())
     records = {b: [r for r in result["records"] if r["backend"] == b] for b in ("default", shadowkv)}
