@@ -71,15 +71,23 @@ class MiniKVMethod(KVMethod):
     # -- hooks --------------------------------------------------------------------------------
     def prefill_chunk(self, layer: LayerContext, req: RequestRows, query: torch.Tensor,
                       key: torch.Tensor, value: torch.Tensor) -> None:
-        """Add the chunk's queries to the H2O column sums of every key so far."""
+        """Add the chunk's queries (those in the score window) to the H2O column sums of every
+        key so far."""
         if sum(self.pages.kept(layer.index, req.prompt_len)) == req.prompt_len:
             return  # the layer keeps the whole prompt: nothing to select
+        window = self.settings.score_window
+        scored_from = max(0, req.prompt_len - window) if window else 0  # first scoring row
+        first = req.seq_len - (req.end - req.start)  # position of the chunk's first row
+        skip = max(0, scored_from - first)
+        if skip >= len(query):
+            return  # the chunk is before the window
         scores_key = (req.req_id, layer.index)
         previous = self._scores.get(scores_key)
-        assert previous is not None or req.seq_len == req.end - req.start, (
+        assert previous is not None or first + skip == scored_from, (
             "minikv: a prefill chunk without the column sums of the earlier ones")
         keys = self._staged_keys(layer, req)
-        self._scores[scores_key] = accumulate_column_sums(previous, query, keys, layer.scale)
+        self._scores[scores_key] = accumulate_column_sums(previous, query[skip:], keys,
+                                                          layer.scale)
 
     def finalize(self, layer: LayerContext, req: RequestRows, keys: torch.Tensor,
                  values: torch.Tensor) -> None:

@@ -38,6 +38,10 @@ class MiniKVSettings(EngineSettings):
     layer_policy: str = "pyramid"
     """How the heavy-hitter budget is spread over the layers: "pyramid" (linear in the layer,
     the first layer largest, depth 7) or "uniform" (heavy_ratio in every layer)."""
+    score_window: int = 0
+    """Prompt queries whose attention scores the keys for the heavy hitters: 0, every one (H2O,
+    the paper's choice); N > 0, only the last N (SnapKV's observation window: the question at
+    the end of a prompt decides what is kept)."""
 
     def check(self) -> None:
         super().check()
@@ -45,6 +49,7 @@ class MiniKVSettings(EngineSettings):
             raise SettingsError(f"minikv.bits must be one of {', '.join(map(str, BITS))} "
                                 f"({EXACT_BITS}: no quantization), got {self.bits}")
         at_least(self, "group_size", 1)
+        at_least(self, "score_window", 0)
         at_least(self, "residual", self.group_size)
         if self.residual % self.group_size:
             raise SettingsError(
