@@ -145,7 +145,7 @@ def quant_attention(q, groups, group_table, group_count, fmt, scale, excluded=No
     """Same contract as core.quant_attention.quant_attention; blocks of groups gathered by
     ``index_select`` and attended by one compiled pass each, merged by LSE."""
     from .attention import merge_attention
-    from .quant_attention import BLOCK_TOKENS, excluded_tokens
+    from .quant_attention import group_blocks
 
     batch, s_q, h_q, head_dim = q.shape
     h_kv = groups.key_codes.shape[1]
@@ -154,21 +154,14 @@ def quant_attention(q, groups, group_table, group_count, fmt, scale, excluded=No
         return torch.zeros_like(q), q.new_full(q.shape[:3], float("-inf"), dtype=torch.float32)
     rows = q.view(batch, s_q, h_kv, h_q // h_kv, head_dim).transpose(1, 2).reshape(
         batch * h_kv, s_q, h_q // h_kv, head_dim)  # one row per (request, KV head)
-    n_pool = groups.key_codes.shape[0]
-    block = max(1, BLOCK_TOKENS // (fmt.group * batch))
     outs, lses = [], []
-    for j0 in range(0, width, block):
-        cols = torch.arange(j0, min(j0 + block, width))
-        ids = group_table[:, cols].long().clamp(0, n_pool - 1).flatten()
+    for ids, valid in group_blocks(group_table, group_count, fmt, groups.key_codes.shape[0],
+                                   excluded):
         picked = []
         for field in groups:  # [B * n, h_kv, ...] -> [B * h_kv, n, ...]
             part = torch.index_select(field, 0, ids).unflatten(0, (batch, -1)).transpose(1, 2)
-            picked.append(part.reshape(batch * h_kv, len(cols), *field.shape[2:]))
-        valid = (cols < group_count.view(-1, 1)).repeat_interleave(fmt.group, dim=1)
-        valid = valid.repeat_interleave(h_kv, dim=0)  # [B * h_kv, n * G]
-        if excluded is not None:
-            left_out = excluded_tokens(excluded, j0 * fmt.group, valid.shape[1])
-            valid = valid & ~left_out.flatten(0, 1)
+            picked.append(part.reshape(batch * h_kv, -1, *field.shape[2:]))
+        valid = valid.expand(batch, h_kv, -1).flatten(0, 1)  # [B * h_kv, n * G]
         out, lse = _quant_block(fmt.bits)(rows, *picked, valid, scale)
         outs.append(out)
         lses.append(lse)

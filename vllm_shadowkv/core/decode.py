@@ -128,8 +128,8 @@ class DecodeBatch:
         return hi.cpu(), chunks.cpu(), miss_count.sum(dim=-1).tolist()
 
     def _fetch_values(self, heads, chunks, per_request, store: ValueStore) -> torch.Tensor:
-        """The missed value rows of every request gathered on the host at once and copied to the slots' device on the copy
-        stream (see transfer.py)."""
+        """The missed value rows of every request gathered on the host at once and copied to
+        the slots' device on the copy stream (see transfer.py)."""
         shape = (len(heads), self.params.chunk_size, self.slot_v.shape[-1])
         staging = transfer.host_staging(shape, self.slot_v)
         store.gather_many(self.store_keys, heads, chunks, per_request, staging)

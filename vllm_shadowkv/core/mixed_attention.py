@@ -12,7 +12,7 @@ import torch
 from . import ops
 from .attention import attention_with_lse, merge_attention
 from .kivi import KiviFormat, QuantizedGroups, dequantize_keys
-from .quant_attention import BLOCK_TOKENS
+from .quant_attention import group_blocks
 
 _KEY_FIELDS = ("key_codes", "key_scale", "key_zero")
 
@@ -30,21 +30,16 @@ def quant_logits(
     token t of table entry j at j * G + t, -inf past the request's tokens."""
     batch, h_q, head_dim = q.shape
     h_kv = groups.key_codes.shape[1]
-    width = int(group_count.max()) if batch else 0
-    out = q.new_full((batch, h_q, width * fmt.group), float("-inf"), dtype=torch.float32)
-    n_pool = groups.key_codes.shape[0]
-    block = max(1, BLOCK_TOKENS // (fmt.group * batch)) if batch else 1
     rows = q.float().view(batch, h_kv, h_q // h_kv, head_dim)
-    for j0 in range(0, width, block):
-        cols = torch.arange(j0, min(j0 + block, width), device=q.device)
-        ids = group_table[:, cols].long().clamp(0, n_pool - 1).flatten()
+    blocks = []
+    for ids, valid in group_blocks(group_table, group_count, fmt, groups.key_codes.shape[0]):
         keys = groups._replace(**{f: getattr(groups, f)[ids] for f in _KEY_FIELDS})
         k = dequantize_keys(keys, fmt, torch.float32).unflatten(0, (batch, -1))  # [B, n*G, h, d]
         logits = torch.matmul(rows, k.permute(0, 2, 3, 1)) * scale  # [B, h_kv, g, n * G]
-        valid = (cols < group_count.view(-1, 1)).repeat_interleave(fmt.group, dim=1)
-        logits = logits.flatten(1, 2).masked_fill(~valid.unsqueeze(1), float("-inf"))
-        out[..., j0 * fmt.group:j0 * fmt.group + logits.shape[-1]] = logits
-    return out
+        blocks.append(logits.flatten(1, 2).masked_fill(~valid, float("-inf")))
+    if not blocks:
+        return q.new_full((batch, h_q, 0), float("-inf"), dtype=torch.float32)
+    return torch.cat(blocks, dim=-1)
 
 
 def top_k_tokens(

@@ -36,26 +36,36 @@ def quant_attention(
     if width == 0:
         out = torch.zeros_like(q)
         return out, torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
-    n_pool = groups.key_codes.shape[0]
-    block = max(1, BLOCK_TOKENS // (fmt.group * batch))  # groups per request per block
     q32 = q.float()
     outs, lses = [], []
-    for j0 in range(0, width, block):
-        cols = torch.arange(j0, min(j0 + block, width), device=q.device)
-        ids = group_table[:, cols].long().clamp(0, n_pool - 1)  # padding entries may be anything
-        k, v = dequantize_groups(QuantizedGroups(*(t[ids.flatten()] for t in groups)), fmt,
+    for ids, valid in group_blocks(group_table, group_count, fmt, groups.key_codes.shape[0],
+                                   excluded):
+        k, v = dequantize_groups(QuantizedGroups(*(t[ids] for t in groups)), fmt,
                                  torch.float32)  # [B * n * G, h_kv, d]
         k = k.unflatten(0, (batch, -1)).transpose(1, 2)  # [B, h_kv, n * G, d]
         v = v.unflatten(0, (batch, -1)).transpose(1, 2)
-        valid = (cols < group_count.view(-1, 1)).repeat_interleave(fmt.group, dim=1)
-        valid = valid.view(batch, 1, 1, -1)
-        if excluded is not None:
-            valid = valid & ~excluded_tokens(excluded, j0 * fmt.group, k.shape[2]).unsqueeze(2)
-        out, lse = attention_with_lse(q32, k, v, valid, scale)
+        out, lse = attention_with_lse(q32, k, v, valid.unsqueeze(2), scale)
         outs.append(out)
         lses.append(lse)
     out, lse = merge_attention(outs, lses)
     return out.to(q.dtype), lse
+
+
+def group_blocks(group_table: torch.Tensor, group_count: torch.Tensor, fmt: KiviFormat,
+                 n_pool: int, excluded: torch.Tensor | None = None):
+    """The requests' table entries in blocks of at most BLOCK_TOKENS dequantized tokens over the
+    batch: yields (pool ids [B * n] int64, the padding entries clamped into the pool; valid
+    [B, h_kv or 1, n * G] bool: the request's own tokens, less the ``excluded`` ones)."""
+    batch = group_table.shape[0]
+    width = int(group_count.max()) if batch else 0
+    block = max(1, BLOCK_TOKENS // (fmt.group * max(batch, 1)))  # entries per request
+    for j0 in range(0, width, block):
+        cols = torch.arange(j0, min(j0 + block, width), device=group_table.device)
+        ids = group_table[:, cols].long().clamp(0, n_pool - 1).flatten()
+        valid = (cols < group_count.view(-1, 1)).repeat_interleave(fmt.group, dim=1)[:, None]
+        if excluded is not None:
+            valid = valid & ~excluded_tokens(excluded, j0 * fmt.group, valid.shape[-1])
+        yield ids, valid
 
 
 def excluded_tokens(excluded: torch.Tensor, start: int, width: int) -> torch.Tensor:

@@ -12,6 +12,7 @@ up to 1 GiB, so there are few of them: a gather is one index_select per extent t
 not one per page.
 """
 
+import itertools
 import math
 from collections.abc import Hashable, Iterator
 from dataclasses import dataclass
@@ -124,7 +125,8 @@ class CpuValueStore:
                        torch.tensor([self._page_base[p] for p in pages], dtype=torch.long),
                        sorted({self._page_extent[p] for p in pages}))
         rows = values.reshape(-1, *self.row_shape).cpu()
-        for extent, at, local in self._by_extent(entry, torch.arange(len(rows))):
+        for extent, at, local in self._by_extent(entry.page_extent, entry.page_base,
+                                                 entry.extents, torch.arange(len(rows))):
             extent.index_copy_(0, local, rows if at is None else rows[at])
         self._entries[key] = entry
         self.bytes_put += values.numel() * values.element_size()
@@ -137,9 +139,10 @@ class CpuValueStore:
     def gather_many(self, keys: list[Hashable], heads: torch.Tensor, chunks: torch.Tensor,
                     counts: list[int], out: torch.Tensor) -> torch.Tensor:
         """Rows of several keys into the CPU tensor `out` [M, *row_shape] at once: key i owns the
-        next counts[i] of (heads, chunks) (a key with none need not be stored). One index_select per extent the rows touch, whatever
-        the number of keys (on CUDA `out` is the decode step's pinned staging buffer, which the
-        core then copies on its copy stream)."""
+        next counts[i] of (heads, chunks) (a key with none need not be stored). One
+        index_select per extent the rows touch, whatever the number of keys (on CUDA `out` is
+        the decode step's pinned staging buffer, which the core then copies on its copy
+        stream)."""
         stored = [(k, n) for k, n in zip(keys, counts) if n]
         if not stored:
             return out
@@ -166,24 +169,20 @@ class CpuValueStore:
                              f"{int(num_rows[i])} rows; asked for head {int(heads[i])}, "
                              f"row {int(chunks[i])}")
         # Each key's pages follow the previous keys' in one table.
-        first_page = each_row(torch.tensor([0] + [len(e.pages) for e in entries[:-1]])
-                              .cumsum(0).tolist())
-        rows = heads * num_rows + chunks
-        page = first_page + rows // self.page_rows
+        first_page = each_row(list(itertools.accumulate([len(e.pages) for e in entries[:-1]],
+                                                        initial=0)))
         if len(entries) == 1:
             page_extent, page_base = entries[0].page_extent, entries[0].page_base
         else:
             page_extent = torch.cat([e.page_extent for e in entries])
             page_base = torch.cat([e.page_base for e in entries])
-        extent_of, local = page_extent[page], page_base[page] + rows % self.page_rows
         extents = sorted({x for e in entries for x in e.extents})
-        if len(extents) == 1:
-            torch.index_select(self._extents[extents[0]], 0, local, out=out)
-        else:
-            for extent_id in extents:
-                at = (extent_of == extent_id).nonzero().squeeze(1)
-                if len(at):
-                    out[at] = self._extents[extent_id].index_select(0, local[at])
+        for extent, at, local in self._by_extent(page_extent, page_base, extents,
+                                                 heads * num_rows + chunks, first_page):
+            if at is None:
+                torch.index_select(extent, 0, local, out=out)
+            else:
+                out[at] = extent.index_select(0, local)
         self.bytes_fetched += out.numel() * out.element_size()
         return out
 
@@ -216,16 +215,18 @@ class CpuValueStore:
             self._page_base += range(0, size * self.page_rows, self.page_rows)
             self._free += range(allocated, allocated + size)
 
-    def _by_extent(self, entry: _Entry, rows: torch.Tensor
+    def _by_extent(self, page_extent: torch.Tensor, page_base: torch.Tensor, extents: list[int],
+                   rows: torch.Tensor, first_page: torch.Tensor | int = 0
                    ) -> Iterator[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]]:
-        """Per extent the logical `rows` touch: (extent, positions in `rows` or None for all,
-        row indices within the extent). Vectorised: no Python loop over rows or pages."""
-        page = rows // self.page_rows
-        extent_of, local = entry.page_extent[page], entry.page_base[page] + rows % self.page_rows
-        if len(entry.extents) == 1:
-            yield self._extents[entry.extents[0]], None, local
+        """Per extent the logical `rows` touch (row r in the pages of a table from its
+        `first_page`): (extent, positions in `rows` or None for all, row indices within the
+        extent). Vectorised: no Python loop over rows or pages."""
+        page = first_page + rows // self.page_rows
+        extent_of, local = page_extent[page], page_base[page] + rows % self.page_rows
+        if len(extents) == 1:
+            yield self._extents[extents[0]], None, local
             return
-        for extent_id in entry.extents:
+        for extent_id in extents:
             at = (extent_of == extent_id).nonzero().squeeze(1)
             if len(at):
                 yield self._extents[extent_id], at, local[at]
