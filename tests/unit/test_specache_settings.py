@@ -17,7 +17,7 @@ def shapes(head=128):
 def test_paper_defaults():
     s = parse_settings(SpeCacheSettings, {})
     assert (s.bits, s.group_size, s.residual, s.top_k, s.prefetch, s.accept_guess) == (
-        1, 64, 64, 64, "speculative", False)
+        1, 64, 64, 64, "current", False)
     assert s.key == "specache"
     s.check_engine(shapes())
     assert s.kivi_format(128) == KiviFormat(1, 64, 128, 64, midpoint_one_bit=True)
@@ -28,7 +28,6 @@ def test_explicit_settings_parse():
                                           "top_k": 0, "prefetch": "current"})
     assert (s.bits, s.group_size, s.residual, s.top_k, s.prefetch) == (2, 32, 96, 0, "current")
     assert s.kivi_format(64) == KiviFormat(2, 32, 64, 32)
-    assert parse_settings(SpeCacheSettings, {"accept_guess": True}).accept_guess
 
 
 @pytest.mark.parametrize("raw, message", [
@@ -38,8 +37,10 @@ def test_explicit_settings_parse():
     ({"group_size": 32, "residual": 80},
      r"specache.residual \(80\) must be a multiple of group_size \(32\)"),
     ({"top_k": -1}, r"specache.top_k must be >= 0, got -1"),
-    ({"prefetch": "next"}, r"specache.prefetch must be one of 'speculative', 'current', "
+    ({"prefetch": "next"}, r"specache.prefetch must be one of 'current', 'speculative', "
                            r"got 'next'"),
+    ({"prefetch": "speculative"}, r"specache.prefetch 'speculative' is not built yet; built: "
+                                  r"'current'"),
     ({"prefetch": "current", "accept_guess": True},
      r"specache.accept_guess needs prefetch 'speculative'"),
     ({"accept_guess": 1}, r"specache.accept_guess must be true or false"),

@@ -10,14 +10,16 @@ from __future__ import annotations
 from vllm_shadowkv.methods.base import KVMethod, SettingsError
 from vllm_shadowkv.methods.minikv import MiniKVMethod
 from vllm_shadowkv.methods.shadowkv import ShadowKVMethod
+from vllm_shadowkv.methods.specache import SpeCacheMethod
 
 METHODS: dict[str, type[KVMethod]] = {
     ShadowKVMethod.name: ShadowKVMethod,
     MiniKVMethod.name: MiniKVMethod,
+    SpeCacheMethod.name: SpeCacheMethod,
 }
 # Names reserved for the methods of the project's papers that are not built yet: selecting one
 # is refused at start-up with the list of the built ones (not vLLM's "unknown backend").
-PLANNED = ("tailorkv", "specache")
+PLANNED = ("tailorkv",)
 NAMES = (*METHODS, *PLANNED)
 
 

@@ -154,7 +154,7 @@ class MiniKVMethod(KVMethod):
         mask = torch.cat([row_mask.view(n, 1, 1, width).expand(-1, -1, s_q, -1), ring_mask], -1)
         result, lse = attention_with_lse(q, keys, values, mask, layer.scale)
         if self.pages.fmt is not None and int(batch.group_count.max()) > 0:
-            result = self._merge_quantized(layer, q, batch, result, lse)
+            result = self._merge_quantized(layer, reqs, plans, q, batch, result, lse)
         out[rows] = result.flatten(0, 1)
 
         ring = self.settings.residual
@@ -170,7 +170,8 @@ class MiniKVMethod(KVMethod):
                 self._record_fidelity(layer, req, reference, q[i], result[i], key[step],
                                       value[step], stats)
 
-    def _merge_quantized(self, layer: LayerContext, q: torch.Tensor, batch: BatchPlan,
+    def _merge_quantized(self, layer: LayerContext, reqs: list[RequestRows],
+                         plans: list[RequestPlan], q: torch.Tensor, batch: BatchPlan,
                          out_exact: torch.Tensor, lse_exact: torch.Tensor) -> torch.Tensor:
         """Attention over the quantized groups, merged with the exact part's. Each (request,
         KV head) is one row of the group table: its query heads attend its own groups."""

@@ -48,6 +48,7 @@ class LayerShape:
     rows_per_page: int
     groups: int  # quantized groups per KV head
     tail: int  # kept tokens per KV head stored as 16-bit rows
+    slots: int = 0  # 16-bit rows per KV head for exact copies fetched from the store (SpeCache)
 
 
 @dataclass
@@ -60,6 +61,8 @@ class RequestPlan:
     key_rows: torch.Tensor  # int64
     value_rows: torch.Tensor
     folds: int = 0  # generated-token folds whose ids are in the plan
+    slot_key_rows: torch.Tensor | None = None  # [h, slots] int64 (SpeCache), after the tail
+    slot_value_rows: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -74,8 +77,11 @@ class BatchPlan:
 
 
 class MiniKVPages:
-    def __init__(self, settings: MiniKVSettings, shapes: KVShapes) -> None:
-        self.settings, self.shapes = settings, shapes
+    """Pages for ``settings`` (MiniKV's, or SpeCache's: every token kept, ``slots`` exact rows
+    per KV head on top for the tokens fetched from the store)."""
+
+    def __init__(self, settings: MiniKVSettings, shapes: KVShapes, slots: int = 0) -> None:
+        self.settings, self.shapes, self.slots = settings, shapes, slots
         self.heavy = settings.heavy_budgets(max(shapes.num_layers, 1))
         self.fmt = settings.kivi_format(shapes.head_size) if settings.quantized else None
         self._units_per_page = [self._page_units(layer) for layer in range(len(self.heavy))]
@@ -141,13 +147,13 @@ class MiniKVPages:
         return LayerShape(
             units_per_page=self.units_per_page(layer) if self.fmt else 0,
             rows_per_page=self.rows_per_page(layer), groups=groups,
-            tail=kept - groups * self.settings.group_size)
+            tail=kept - groups * self.settings.group_size, slots=self.slots)
 
     def _blocks(self, shape: LayerShape) -> tuple[int, int]:
         """(unit pages, row pages) of a request's region in a layer of this shape."""
         h = self.shapes.num_kv_heads
         unit_pages = -(-h * shape.groups // shape.units_per_page) if shape.groups else 0
-        return unit_pages, -(-2 * h * shape.tail // shape.rows_per_page)
+        return unit_pages, -(-2 * h * (shape.tail + shape.slots) // shape.rows_per_page)
 
     def region_blocks(self, prompt_len: int) -> int:
         blocks = self._region_blocks.get(prompt_len)
@@ -196,10 +202,13 @@ class MiniKVPages:
         h = self.shapes.num_kv_heads
         unit_pages, _ = self._blocks(shape)
         units = _ids(region_ids[:unit_pages], shape.units_per_page, 0, h * shape.groups)
-        rows = _ids(region_ids[unit_pages:], shape.rows_per_page, 0, 2 * h * shape.tail)
-        rows = rows.view(2, h, shape.tail)
+        width = shape.tail + shape.slots
+        rows = _ids(region_ids[unit_pages:], shape.rows_per_page, 0, 2 * h * width)
+        rows = rows.view(2, h, width)
         return RequestPlan(shape, units.view(shape.groups, h).t().to(torch.int32),
-                           rows[0], rows[1])
+                           rows[0, :, :shape.tail], rows[1, :, :shape.tail],
+                           slot_key_rows=rows[0, :, shape.tail:],
+                           slot_value_rows=rows[1, :, shape.tail:])
 
     def fold_ids(self, shape: LayerShape, growth_ids: torch.Tensor, fold: int) -> torch.Tensor:
         """Ids of fold ``fold``'s units (rows at 16 bits) in the growth pages, in write order."""
@@ -226,7 +235,8 @@ class MiniKVPages:
         units = plan.shape.groups + folds * ring // g if self.fmt else 0
         rows = plan.shape.tail + (0 if self.fmt else folds * ring)
         return RequestPlan(plan.shape, plan.units[:, :units], plan.key_rows[:, :rows],
-                           plan.value_rows[:, :rows], folds)
+                           plan.value_rows[:, :rows], folds, plan.slot_key_rows,
+                           plan.slot_value_rows)
 
     def batch_plan(self, plans: list[RequestPlan]) -> BatchPlan:
         device = plans[0].units.device

@@ -1,7 +1,8 @@
-"""SpeCache (issue 15): low-bit pages, the whole 16-bit KV in the CPU store, top-k prefetch.
-Built so far: its settings and the guess row's proposer (guess.py, with patches/guess_row.py);
-the attention math is in core/mixed_attention.py."""
+"""SpeCache (issue 15): low-bit pages, the whole 16-bit prompt KV in the CPU store, top-k
+fetch (method.py); the guess row's proposer for the speculative mode (guess.py, with
+patches/guess_row.py); the attention math in core/mixed_attention.py."""
 
+from vllm_shadowkv.methods.specache.method import SpeCacheMethod
 from vllm_shadowkv.methods.specache.settings import SpeCacheSettings
 
-__all__ = ["SpeCacheSettings"]
+__all__ = ["SpeCacheMethod", "SpeCacheSettings"]

@@ -15,7 +15,8 @@ from vllm_shadowkv.methods.base import EngineSettings, KVShapes, SettingsError, 
 
 BITS = (1, 2)
 GROUP_SIZES = (32, 64)
-PREFETCH_MODES = ("speculative", "current")
+PREFETCH_MODES = ("current", "speculative")
+BUILT_PREFETCH_MODES = ("current",)
 
 
 @dataclass(frozen=True)
@@ -34,10 +35,11 @@ class SpeCacheSettings(EngineSettings):
     top_k: int = 64
     """Tokens per KV head and layer whose exact 16-bit K/V are fetched from the CPU store and
     attended in place of their low-bit copies; 0: plain KIVI, nothing fetched."""
-    prefetch: str = "speculative"
-    """"speculative": each decode step also runs the model's guess of the next token, whose
-    attention picks the next step's top-k, fetched while the step computes; "current": the
-    output token's own attention picks the top-k, fetched, then attention again (no overlap)."""
+    prefetch: str = "current"
+    """"current": the output token's own attention over the low-bit keys picks the top-k, which
+    are fetched, then attention again (no overlap); "speculative" (the paper's, not built
+    yet): each decode step also runs the model's guess of the next token, whose attention
+    picks the next step's top-k, fetched while the step computes."""
     accept_guess: bool = False
     """Speculative only: when the output row confirms the guess (the guessed input token is
     the token the output row produced), also emit the speculative row's token and keep its KV
@@ -60,6 +62,9 @@ class SpeCacheSettings(EngineSettings):
         if self.prefetch not in PREFETCH_MODES:
             raise SettingsError(f"specache.prefetch must be one of "
                                 f"{', '.join(map(repr, PREFETCH_MODES))}, got {self.prefetch!r}")
+        if self.prefetch not in BUILT_PREFETCH_MODES:
+            raise SettingsError(f"specache.prefetch {self.prefetch!r} is not built yet; built: "
+                                f"{', '.join(map(repr, BUILT_PREFETCH_MODES))}")
         if self.accept_guess and self.prefetch != "speculative":
             raise SettingsError("specache.accept_guess needs prefetch 'speculative' (there is "
                                 f"no guess with prefetch {self.prefetch!r})")
@@ -73,6 +78,13 @@ class SpeCacheSettings(EngineSettings):
                 f"specache.group_size ({self.group_size}) must divide the head size ({d}): "
                 f"values are quantized in groups of channels; allowed here: "
                 f"{', '.join(str(g) for g in GROUP_SIZES if d % g == 0) or 'none'}")
+
+    # What the shared quantized pages (methods/minikv/pages.py) read: every token is kept.
+    quantized: ClassVar[bool] = True
+    recent_ratio: ClassVar[float] = 1.0
+
+    def heavy_budgets(self, num_layers: int) -> list[float]:
+        return [0.0] * num_layers
 
     def kivi_format(self, head_dim: int) -> KiviFormat:
         return KiviFormat(bits=self.bits, group=self.group_size, head_dim=head_dim,

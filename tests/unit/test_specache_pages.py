@@ -1,0 +1,150 @@
+"""SpeCache on the engine's pages, through the method's hooks, without vLLM (the world of
+test_minikv_pages with a host store): page sizes against the default's, decode against a
+reference built independently (low-bit cache with the top-k of the output row's attention
+swapped for exact copies), the slot cache's hits, and one batched call against each request
+alone."""
+
+import pytest
+import torch
+from test_minikv_pages import LLAMA8B, World
+
+from vllm_shadowkv.backend.exact_attention import causal_attention
+from vllm_shadowkv.backend.layout import PageLayout
+from vllm_shadowkv.core.attention import attention_with_lse_reference
+from vllm_shadowkv.core.kivi import dequantize_groups, quantize_groups
+from vllm_shadowkv.core.store import InMemoryValueStore
+from vllm_shadowkv.methods.base import KVShapes
+from vllm_shadowkv.methods.specache import SpeCacheMethod, SpeCacheSettings
+
+
+def make_method(settings: SpeCacheSettings, h=2, d=64, block_size=16, num_layers=1,
+                dtype=torch.float32, max_len=4096) -> SpeCacheMethod:
+    shapes = KVShapes(h, d, dtype, block_size, num_layers=num_layers, max_model_len=max_len)
+    settings.check()
+    settings.check_engine(shapes)
+    return SpeCacheMethod(settings.resolved(shapes), shapes)
+
+
+def make_world(method, requests, seed=0) -> World:
+    world = World(method, requests, seed=seed)
+    world.ctx.store = InMemoryValueStore()
+    return world
+
+
+@pytest.mark.parametrize("block_size", [16, 128])
+@pytest.mark.parametrize("context", [32768, 131072])
+def test_llama8b_shapes_hold_9x_the_default_backends_requests(block_size, context):
+    """1 bit, group 64 (the paper's headline): a prompt's pages at Llama-3.1-8B shapes, slots
+    included, against 4 KiB per token and layer exact."""
+    method = make_method(SpeCacheSettings(), LLAMA8B["kv_heads"], LLAMA8B["head"], block_size,
+                         num_layers=32, dtype=LLAMA8B["dtype"], max_len=context)
+    layout = PageLayout(method)
+    block_bytes = block_size * sum(method.token_bytes(layer) for layer in range(32))
+    assert context * 4096 * 32 / (layout.steady_blocks(context) * block_bytes) >= 9.0
+    # The store holds every quantized prompt token's exact key and value, per layer.
+    assert method.store_bytes(0, context) == 8 * context * 2 * 128 * 2
+
+
+def reference_output(world: World, r: str, seq_len: int) -> torch.Tensor:
+    """The last token of ``seq_len`` from the K/V alone: the prompt's whole groups and each
+    folded ring KIVI round-tripped, the rest exact; the output row's probabilities over all of
+    it pick, per KV head, the top-k quantized prompt tokens, which are attended exact."""
+    m, p = world.method, world.prompt[r]
+    s, fmt, h = m.settings, m.pages.fmt, m.shapes.num_kv_heads
+    k, v, q = (t.float() for t in (world.k[r], world.v[r], world.q[r]))
+    g = s.group_size
+    quantized = p // g * g
+    folded = (seq_len - p - 1) // s.residual * s.residual
+
+    def round_trip(first, end):
+        dk, dv = dequantize_groups(quantize_groups(k[first:end], v[first:end], fmt), fmt)
+        return dk.float(), dv.float()
+
+    parts = [round_trip(0, quantized), (k[quantized:p], v[quantized:p])]
+    parts += [round_trip(f, f + s.residual) for f in range(p, p + folded, s.residual)]
+    parts.append((k[p + folded:seq_len], v[p + folded:seq_len]))
+    keys = torch.cat([pk for pk, _ in parts]).transpose(0, 1)  # [h, seq_len, d]
+    values = torch.cat([pv for _, pv in parts]).transpose(0, 1)
+    row = q[seq_len - 1].view(h, -1, q.shape[-1])  # [h, G, d]
+    probs = torch.softmax(row @ keys.transpose(1, 2) * world.ctx.scale, dim=-1).sum(1)
+    top = probs[:, :quantized].topk(min(s.top_k, quantized), dim=-1).indices  # [h, k]
+    index = top.unsqueeze(-1).expand(-1, -1, k.shape[-1])
+    keys.scatter_(1, index, k[:p].transpose(0, 1).gather(1, index))
+    values.scatter_(1, index, v[:p].transpose(0, 1).gather(1, index))
+    out, _ = attention_with_lse_reference(q[seq_len - 1].view(1, 1, *q.shape[1:]), keys[None],
+                                          values[None], None, world.ctx.scale)
+    return out[0, 0]
+
+
+@pytest.mark.parametrize("bits", [1, 2])
+def test_decode_from_pages_equals_the_reference(bits):
+    """Finalize into permuted pages, then decode past two folds of the ring: each step equals
+    the reference; slots that stay wanted are not fetched again."""
+    settings = SpeCacheSettings(bits=bits, group_size=32, residual=32, top_k=24,
+                                min_sparse_len=128)
+    method = make_method(settings, h=2, d=64, num_layers=2)
+    p, gen = 301, 2 * settings.residual + 5
+    world = make_world(method, {"r": (p, gen)})
+    world.prefill("r", chunk=128)
+    for s in range(p + 1, p + gen + 1):
+        out = world.step({"r": s})["r"]
+        torch.testing.assert_close(out.float(), reference_output(world, "r", s), atol=2e-5,
+                                   rtol=2e-5)
+    stats = world.stats["r"]
+    wanted = gen * 2 * settings.top_k
+    fetched = stats.bytes_fetched // (2 * 64 * 4)
+    assert stats.hits + fetched == wanted and 0 < fetched < wanted
+
+
+def test_covering_settings_are_dense_attention():
+    """Every prompt token fetched exact, no generated token folded: dense attention over the
+    whole context, though the pages are 1-bit."""
+    method = make_method(SpeCacheSettings(**SpeCacheMethod.covering_settings(128, 4096),
+                                          min_sparse_len=64), h=2, d=64, num_layers=2)
+    assert method.pages.fmt.bits == 1
+    p, gen = 203, 13
+    world = make_world(method, {"r": (p, gen)})
+    world.prefill("r", chunk=64)
+    for s in range(p + 1, p + gen + 1):
+        out = world.step({"r": s})["r"]
+        dense = causal_attention(world.q["r"][s - 1:s], world.k["r"][:s], world.v["r"][:s],
+                                 world.ctx.scale)
+        torch.testing.assert_close(out, dense[0], atol=1e-5, rtol=1e-5)
+
+
+def test_one_batched_call_equals_each_request_alone():
+    settings = SpeCacheSettings(group_size=32, residual=32, top_k=16, min_sparse_len=100)
+    requests = {"a": (150, 40), "b": (333, 40), "c": (212, 20)}
+    worlds = []
+    for _ in range(2):
+        method = make_method(settings, h=2, d=64, num_layers=2)
+        world = make_world(method, requests, seed=3)
+        for r in requests:
+            world.prefill(r, chunk=100)
+        for r, ahead in (("a", 3), ("c", 7)):
+            for s in range(requests[r][0] + 1, requests[r][0] + ahead + 1):
+                world.step({r: s})
+        worlds.append(world)
+    batched, alone = worlds
+    progress = {"a": 150 + 3, "b": 333, "c": 212 + 7}
+    for _ in range(20):
+        live = {r: n + 1 for r, n in progress.items() if n + 1 <= sum(requests[r])}
+        got = batched.step(live)
+        for r, s in live.items():
+            torch.testing.assert_close(got[r], alone.step({r: s})[r], atol=1e-6, rtol=1e-6)
+        progress.update(live)
+    assert torch.equal(batched.cache.view(torch.int32), alone.cache.view(torch.int32))
+    for r in requests:
+        assert torch.equal(batched.method._slot_tokens[(r, 0)], alone.method._slot_tokens[(r, 0)])
+
+
+def test_release_drops_the_slots():
+    method = make_method(SpeCacheSettings(group_size=32, residual=32, top_k=8,
+                                          min_sparse_len=100))
+    world = make_world(method, {"a": (200, 4), "b": (180, 4)})
+    for r in ("a", "b"):
+        world.prefill(r, chunk=64)
+    world.step({"a": 201, "b": 181})
+    assert method._slot_tokens.keys() == {("a", 0), ("b", 0)}
+    method.release("a")
+    assert method._slot_tokens.keys() == {("b", 0)}

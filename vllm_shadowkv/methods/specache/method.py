@@ -1,0 +1,173 @@
+"""SpeCache (Jie et al., ICML 2025) on the shared engine: every token of the prompt KIVI-quantized
+on the pages (1 or 2 bits), its exact 16-bit K/V in the host store; each decode step picks the
+``top_k`` tokens per KV head that the output row attends most over the low-bit keys, fetches
+those that missed the previous step's slots, and attends them exactly in place of their low-bit
+copies (``prefetch: "current"``, the paper's non-speculative mode).
+
+The pages are MiniKV's with every token kept and ``top_k`` exact rows per KV head for the slots,
+and the decode step is MiniKV's (16-bit tail and generated-token ring exact, the quantized
+groups fused), with the quantized part replaced by the mixed attention
+(core/mixed_attention.py). Generated tokens are folded into low-bit groups every ``residual``
+tokens as in the paper, but only the prompt is in the store: folded generated tokens are
+attended from their low-bit copies and never fetched."""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_shadowkv.core import mixed_attention
+from vllm_shadowkv.core.attention import merge_attention
+from vllm_shadowkv.methods.base import KVShapes, LayerContext, RequestRows
+from vllm_shadowkv.methods.minikv.method import MiniKVMethod
+from vllm_shadowkv.methods.minikv.pages import BatchPlan, MiniKVPages, RequestPlan
+from vllm_shadowkv.methods.specache.settings import SpeCacheSettings
+from vllm_shadowkv.store import paged_bytes
+
+
+class SpeCacheMethod(MiniKVMethod):
+    name = "specache"
+    settings_cls = SpeCacheSettings
+    # The paper's headline configuration (§4.1): 1 bit, group 64, about 0.10x the 16-bit KV.
+    capacity_claim = ({}, 9.0)
+    capacity_lengths = (32768, 131072)
+
+    def __init__(self, settings: SpeCacheSettings, shapes: KVShapes) -> None:
+        super().__init__(settings, shapes)
+        self.pages = MiniKVPages(settings, shapes, slots=settings.top_k)
+        # Quantized token ids in each request's slots, per (request, layer): [h, top_k] int32,
+        # -1 empty. The slots' K/V are rows of the request's pages (RequestPlan.slot_*_rows).
+        self._slot_tokens: dict[tuple[str, int], torch.Tensor] = {}
+
+    @classmethod
+    def covering_settings(cls, key_width: int, context_len: int) -> dict:
+        # Every prompt token fetched exact at each step, and no generated token folded.
+        residual = -(-context_len // 64) * 64
+        return {"top_k": context_len, "residual": residual}
+
+    # -- pages and store ------------------------------------------------------------------------
+    def _fetchable(self, prompt_len: int) -> int:
+        """Prompt tokens per KV head in quantized groups: the ones the store holds."""
+        return self.pages.shape(0, prompt_len).groups * self.settings.group_size
+
+    def store_bytes(self, layer: int, prompt_len: int) -> int:
+        return paged_bytes(self.shapes.num_kv_heads * self._fetchable(prompt_len),
+                           2 * self.shapes.head_size * self.shapes.elem_bytes)
+
+    def store_row_shape(self, layer: int) -> tuple[int, ...]:
+        return (2, self.shapes.head_size)  # one token of one KV head: key, value
+
+    # -- hooks ----------------------------------------------------------------------------------
+    def finalize(self, layer: LayerContext, req: RequestRows, keys: torch.Tensor,
+                 values: torch.Tensor) -> None:
+        super().finalize(layer, req, keys, values)
+        fetchable = self._fetchable(req.prompt_len)
+        if self.settings.top_k and fetchable:
+            rows = torch.stack([keys[:fetchable], values[:fetchable]], dim=2)  # [P, h, 2, d]
+            layer.store.put((req.req_id, layer.index), rows.transpose(0, 1).cpu())
+        self._slot_tokens.pop((req.req_id, layer.index), None)  # a recomputed request
+        # Empty slots are masked, but a reused page may hold anything (NaN bit patterns of
+        # another request's codes), and a masked NaN value still poisons the weighted sum.
+        plan = self._plan(layer, req, self.pages.shape(layer.index, req.prompt_len))
+        zeros = torch.zeros(plan.slot_key_rows.numel(), self.shapes.head_size,
+                            dtype=layer.kv_cache.dtype, device=layer.kv_cache.device)
+        self.pages.write_rows(layer.kv_cache, plan.slot_key_rows.flatten(), zeros)
+        self.pages.write_rows(layer.kv_cache, plan.slot_value_rows.flatten(), zeros)
+
+    def release(self, req_id: str) -> None:
+        super().release(req_id)
+        for key in [k for k in self._slot_tokens if k[0] == req_id]:
+            del self._slot_tokens[key]
+
+    # -- decode ---------------------------------------------------------------------------------
+    def _merge_quantized(self, layer: LayerContext, reqs: list[RequestRows],
+                         plans: list[RequestPlan], q: torch.Tensor, batch: BatchPlan,
+                         out_exact: torch.Tensor, lse_exact: torch.Tensor) -> torch.Tensor:
+        """The quantized groups with each KV head's top-k tokens attended exact from the slots,
+        merged with the exact part. Each (request, KV head) is one row of the group table."""
+        if not self.settings.top_k:
+            return super()._merge_quantized(layer, reqs, plans, q, batch, out_exact, lse_exact)
+        n, s_q, hq, d = q.shape
+        h = self.shapes.num_kv_heads
+        g = hq // h
+        per_head = q.view(n, s_q, h, g, d).transpose(1, 2).reshape(n * h, s_q, g, d)
+        pool = self.pages.unit_pool(layer.kv_cache)
+        # The top-k of the step's last row (a decode step's only one): its probabilities over
+        # the whole context, the exact part's included.
+        last_lse = lse_exact[:, -1].view(n, h, g).reshape(n * h, g)
+        logits = mixed_attention.quant_logits(per_head[:, -1], pool, batch.group_table,
+                                              batch.group_count, self.pages.fmt, layer.scale)
+        fetchable = torch.tensor([self._fetchable(r.prompt_len) for r in reqs],
+                                 device=q.device).repeat_interleave(h).view(-1, 1, 1)
+        folded = torch.arange(logits.shape[-1], device=q.device) >= fetchable
+        # Folded generated tokens count in the probabilities but cannot be fetched.
+        other_lse = torch.logaddexp(
+            last_lse, torch.logsumexp(logits.masked_fill(~folded, float("-inf")), dim=-1))
+        wanted = mixed_attention.top_k_tokens(logits.masked_fill(folded, float("-inf")),
+                                              other_lse, 1, self.settings.top_k)  # [n*h, 1, k]
+        slots, hits, fetched = self._fetch(layer, reqs, plans, wanted.view(n * h, -1))
+        slot_k, slot_v = self._slot_kv(layer, plans)
+        out_q, lse_q = mixed_attention.mixed_attention(
+            per_head, pool, batch.group_table, batch.group_count, self.pages.fmt, layer.scale,
+            slots.view(n * h, 1, -1), slot_k, slot_v)
+        out_q = out_q.view(n, h, s_q, g, d).transpose(1, 2).reshape(n, s_q, hq, d)
+        lse_q = lse_q.view(n, h, s_q, g).transpose(1, 2).reshape(n, s_q, hq)
+        out, _ = merge_attention([out_exact, out_q], [lse_exact, lse_q])
+
+        row_bytes = 2 * d * self.shapes.elem_bytes
+        for i, req in enumerate(reqs):
+            stats = layer.stats(req.req_id)
+            stats.hits += hits[i]
+            stats.bytes_fetched += fetched[i] * row_bytes
+            if self.settings.measure_fidelity:  # exact prompt tokens: the slots and the tail
+                tail = torch.arange(self._fetchable(req.prompt_len), req.prompt_len).expand(h, -1)
+                self._kept[(req.req_id, layer.index)] = torch.cat(
+                    [slots[i * h:(i + 1) * h].clamp(min=0).long().cpu(), tail], dim=1)
+        return out
+
+    def _fetch(self, layer: LayerContext, reqs: list[RequestRows], plans: list[RequestPlan],
+               wanted: torch.Tensor) -> tuple[torch.Tensor, list[int], list[int]]:
+        """Bring the ``wanted`` tokens ``[n * h, k]`` (-1: none) into the slots: those already
+        there stay in place, the others are fetched from the store into the slots that the
+        previous step's tokens no longer need. -> the slots' tokens ``[n * h, k]`` and, per
+        request, the hits and the fetched tokens (per KV head, summed)."""
+        n, h, k = len(reqs), self.shapes.num_kv_heads, self.settings.top_k
+        device = wanted.device
+        held = torch.cat([self._slot_tokens.get((r.req_id, layer.index),
+                                                torch.full((h, k), -1, dtype=torch.int32,
+                                                           device=device)) for r in reqs])
+        same = (wanted.unsqueeze(2) == held.unsqueeze(1)) & (wanted >= 0).unsqueeze(2)
+        hit, still_wanted = same.any(dim=2), same.any(dim=1)
+        miss = (wanted >= 0) & ~hit
+        # The i-th miss of a row goes to the row's i-th slot not wanted any more (there are as
+        # many of those as the row has misses at least: wanted tokens are distinct).
+        free_slots = torch.sort(still_wanted.to(torch.int8), dim=1, stable=True).indices
+        miss_row, miss_col = miss.nonzero(as_tuple=True)
+        rank = (torch.cumsum(miss.to(torch.int32), dim=1) - 1)[miss_row, miss_col]
+        dest = free_slots[miss_row, rank]
+        slots = held.masked_fill(~still_wanted, -1)
+        tokens = wanted[miss_row, miss_col]
+        slots[miss_row, dest] = tokens
+
+        per_request = miss.view(n, h * k).sum(dim=1).tolist()
+        if miss_row.numel():
+            fetched = torch.empty(miss_row.numel(), 2, self.shapes.head_size,
+                                  dtype=self.shapes.dtype)
+            layer.store.gather_many([(r.req_id, layer.index) for r in reqs],
+                                    (miss_row % h).cpu(), tokens.cpu(), per_request, fetched)
+            fetched = fetched.to(device)
+            key_rows = torch.stack([p.slot_key_rows for p in plans]).view(n * h, k)
+            value_rows = torch.stack([p.slot_value_rows for p in plans]).view(n * h, k)
+            self.pages.write_rows(layer.kv_cache, key_rows[miss_row, dest], fetched[:, 0])
+            self.pages.write_rows(layer.kv_cache, value_rows[miss_row, dest], fetched[:, 1])
+        for i, r in enumerate(reqs):
+            self._slot_tokens[(r.req_id, layer.index)] = slots[i * h:(i + 1) * h]
+        hits = (hit.view(n, h * k).sum(dim=1)).tolist()
+        return slots, hits, per_request
+
+    def _slot_kv(self, layer: LayerContext, plans: list[RequestPlan]):
+        """The slots' exact K/V ``[n * h, 1, k, d]`` each, read from the pages."""
+        pool = self.pages.row_pool(layer.kv_cache)
+        k = self.settings.top_k
+        key_rows = torch.stack([p.slot_key_rows for p in plans]).view(-1, 1, k)
+        value_rows = torch.stack([p.slot_value_rows for p in plans]).view(-1, 1, k)
+        return pool[key_rows], pool[value_rows]
