@@ -52,7 +52,13 @@ def test_invalid_settings_name_the_key_and_the_allowed_values(raw, message):
 
 
 def test_engine_checks_against_the_head_size():
-    with pytest.raises(SettingsError, match=r"specache.group_size \(64\) must divide the head "
-                                            r"size \(96\).*allowed here: 32"):
-        SpeCacheSettings().check_engine(shapes(96))
-    SpeCacheSettings(group_size=32).check_engine(shapes(96))
+    """Codes pack along the channels; a head narrower than the group (or not a multiple of it)
+    groups values by the largest common divisor."""
+    with pytest.raises(SettingsError, match=r"specache.bits 1 packs 32 codes per int32 along "
+                                            r"the channels, which must divide the head size "
+                                            r"\(48\); allowed here: 2"):
+        SpeCacheSettings().check_engine(shapes(48))
+    SpeCacheSettings(bits=2).check_engine(shapes(48))
+    for head, value_group in ((32, 32), (96, 32), (128, 64)):
+        SpeCacheSettings().check_engine(shapes(head))
+        assert SpeCacheSettings().kivi_format(head).value_group == value_group

@@ -7,6 +7,7 @@ KIVI's group size serves keys (tokens per group, one scale and zero per channel)
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -70,14 +71,12 @@ class SpeCacheSettings(EngineSettings):
                                 f"no guess with prefetch {self.prefetch!r})")
 
     def check_engine(self, shapes: KVShapes) -> None:
-        # A group size dividing the head size also packs whole int32 words of codes (32 // bits
-        # divides 32, which divides both group sizes).
-        d = shapes.head_size
-        if d % self.group_size:
+        d, per_word = shapes.head_size, 32 // self.bits
+        if d % per_word:
             raise SettingsError(
-                f"specache.group_size ({self.group_size}) must divide the head size ({d}): "
-                f"values are quantized in groups of channels; allowed here: "
-                f"{', '.join(str(g) for g in GROUP_SIZES if d % g == 0) or 'none'}")
+                f"specache.bits {self.bits} packs {per_word} codes per int32 along the channels, "
+                f"which must divide the head size ({d}); allowed here: "
+                f"{', '.join(str(b) for b in BITS if d % (32 // b) == 0) or 'none'}")
 
     # What the shared quantized pages (methods/minikv/pages.py) read: every token is kept.
     quantized: ClassVar[bool] = True
@@ -87,5 +86,6 @@ class SpeCacheSettings(EngineSettings):
         return [0.0] * num_layers
 
     def kivi_format(self, head_dim: int) -> KiviFormat:
+        # Values are grouped by channels: a head narrower than the group is one value group.
         return KiviFormat(bits=self.bits, group=self.group_size, head_dim=head_dim,
-                          value_group=self.group_size, midpoint_one_bit=True)
+                          value_group=math.gcd(self.group_size, head_dim), midpoint_one_bit=True)
