@@ -13,7 +13,11 @@ pyramid), which is also the same KV bytes as shadowkv at 1.56 % with the paper's
 recent-window-only baseline at the same bytes (heavy 0 %, recent 50 %), and both again at a
 tighter 10 % of the prompt (heavy 5 % + recent 5 % vs recent 10 %), every prompt compressed.
 
-    VLLM_CPU_KVCACHE_SPACE=2 python benchmarks/accuracy.py [--shadowkv] [--minikv] [--out DIR] [run.py options]
+With ``--specache``: SpeCache at its defaults (1-bit KIVI groups of 64, top-64 tokens per KV head
+fetched exact each step, prefetch "current"), at 2 bits, and plain 1-bit KIVI (``top_k`` 0:
+nothing fetched), the paper's Table 1 comparison.
+
+    VLLM_CPU_KVCACHE_SPACE=2 python benchmarks/accuracy.py [--shadowkv] [--minikv] [--specache] [--out DIR] [run.py options]
 
 Any further option goes to ``python -m vllm_shadowkv.eval.run`` (later options win, e.g.
 ``--lengths 4096``, or ``--model``/``--tokenizer``/``--chat`` for a real model on a GPU machine).
@@ -34,28 +38,31 @@ SHADOWKV_SETTINGS = {"rank": 160, "chunk_size": 8, "local_window": 32, "min_spar
 MINIKV = {"minikv": {}, "recent@50%": {"heavy_ratio": 0.0, "recent_ratio": 0.5},
           "minikv@10%": {"heavy_ratio": 0.05, "recent_ratio": 0.05},
           "recent@10%": {"heavy_ratio": 0.0, "recent_ratio": 0.1}}
+SPECACHE = {"specache": {}, "specache-2bit": {"bits": 2}, "kivi-1bit": {"top_k": 0}}
 ENGINE_ARGS = {"enable_prefix_caching": False}
+FLAGS = ("--shadowkv", "--minikv", "--specache")
 
 
-def backends(shadowkv: bool, minikv: bool) -> list[str]:
+def backends(shadowkv: bool, minikv: bool, specache: bool = False) -> list[str]:
     out = ["default"]
     if shadowkv:
         out += [f"shadowkv@{b}" for b in BUDGETS] + list(BASELINES)
-    if minikv:
-        out += [f"{label}=minikv:" + json.dumps({**s, "min_sparse_len": 1024})
-                for label, s in MINIKV.items()]
+    for wanted, method, table in ((minikv, "minikv", MINIKV), (specache, "specache", SPECACHE)):
+        if wanted:
+            out += [f"{label}={method}:" + json.dumps({**s, "min_sparse_len": 1024})
+                    for label, s in table.items()]
     return out
 
 
 def argv_for(argv: list[str]) -> list[str]:
-    shadowkv, minikv = "--shadowkv" in argv, "--minikv" in argv
-    rest = [a for a in argv if a not in ("--shadowkv", "--minikv")]
+    chosen = [flag in argv for flag in FLAGS]
+    rest = [a for a in argv if a not in FLAGS]
     defaults = ["--model", str(FIXTURE), "--tasks", ",".join(tasks.NIAH_TASKS),
                 "--lengths", "4096,8192", "--depths", "0,0.25,0.5,0.75,1", "--samples", "1",
                 "--enforce-eager", "--shadowkv-settings", json.dumps(SHADOWKV_SETTINGS),
                 "--engine-args", json.dumps(ENGINE_ARGS),
                 "--out", str(Path(__file__).parent / "accuracy")]
-    return defaults + ["--backends", *backends(shadowkv, minikv)] + rest
+    return defaults + ["--backends", *backends(*chosen)] + rest
 
 
 if __name__ == "__main__":

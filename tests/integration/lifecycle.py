@@ -91,7 +91,9 @@ def preemption(model, method):
     from vllm_shadowkv.methods import METHODS
     from vllm_shadowkv.methods.base import KVShapes
 
-    settings = small_budget(method, 64, 256)
+    # SpeCache's 1-bit pages hold a request's generated tokens in a few blocks: with slots for
+    # the whole prompt, the resident requests are large enough that their growth collides.
+    settings = small_budget(method, 768 if method == "specache" else 64, 256)
     prompts = [text(*p) for p in PREEMPT_PROMPTS]
     first, second = (len(AutoTokenizer.from_pretrained(model)(p).input_ids) for p in prompts)
     shapes = KVShapes(4, 64, torch.bfloat16, 128, num_layers=4, max_model_len=768)
@@ -139,11 +141,26 @@ def abort(model, method):
 def store_full(model, method):
     """The value store holds one long request's values, not two: the second waits its turn."""
     prompts = [text(130, 3), text(140, 4)]  # ~750 tokens each
-    # tiny model: 4 layers x 4 KV heads x 64 x bf16 = 2 KiB of values per compressed token, so
-    # 2 MiB holds one request of at most MAX_LEN tokens, not two of 750
-    llm = engine(model, method, settings={**full(method), "value_store_gib": 2 / 1024})
+    # A store that holds one request of at most MAX_LEN tokens, not two of 750 (tiny model:
+    # ShadowKV 2 KiB of values per compressed token, 2 MiB; SpeCache keys too, 4 MiB)
+    llm = engine(model, method, settings={**full(method),
+                                          "value_store_gib": one_request_store_gib(method)})
     out = greedy(llm, prompts, 24)
     return {"outputs": out, "after": pool_state(llm)}
+
+
+def one_request_store_gib(method) -> float:
+    import torch
+
+    from vllm_shadowkv.backend.layout import PageLayout
+    from vllm_shadowkv.config import parse_settings
+    from vllm_shadowkv.methods import METHODS
+    from vllm_shadowkv.methods.base import KVShapes
+
+    cls = METHODS[method]
+    shapes = KVShapes(4, 64, torch.bfloat16, 128, num_layers=4, max_model_len=MAX_LEN)
+    settings = parse_settings(cls.settings_cls, full(method)).resolved(shapes)
+    return max(PageLayout(cls(settings, shapes)).store_bytes(MAX_LEN), 1 << 20) / 2**30
 
 
 def reference(model, method=None):
