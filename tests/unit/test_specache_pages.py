@@ -93,7 +93,7 @@ def test_decode_from_pages_equals_the_reference(bits):
     stats = world.stats["r"]
     wanted = gen * 2 * settings.top_k
     fetched = stats.bytes_fetched // (2 * 64 * 4)
-    assert stats.hits + fetched == wanted and 0 < fetched < wanted
+    assert stats.selected == stats.hits + fetched == wanted and 0 < fetched < wanted
 
 
 def test_covering_settings_are_dense_attention():

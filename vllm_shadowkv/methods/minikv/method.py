@@ -163,12 +163,16 @@ class MiniKVMethod(KVMethod):
                 self._fold(layer, req, plan, ring_k[i, :, :ring], ring_v[i, :, :ring])
             stats = layer.stats(req.req_id)
             stats.decode_steps += 1
-            stats.selected += h * sum(self.pages.kept(layer.index, req.prompt_len))
+            stats.selected += self._selected(layer.index, req)
             reference = layer.reference_kv.get((req.req_id, layer.index))
             if reference is not None:
                 step = rows[i * s_q:(i + 1) * s_q]
                 self._record_fidelity(layer, req, reference, q[i], result[i], key[step],
                                       value[step], stats)
+
+    def _selected(self, layer: int, req: RequestRows) -> int:
+        """What a step adds to the request's ``selected`` counter: the prompt tokens kept."""
+        return self.shapes.num_kv_heads * sum(self.pages.kept(layer, req.prompt_len))
 
     def _merge_quantized(self, layer: LayerContext, reqs: list[RequestRows],
                          plans: list[RequestPlan], q: torch.Tensor, batch: BatchPlan,

@@ -79,6 +79,9 @@ class SpeCacheMethod(MiniKVMethod):
             del self._slot_tokens[key]
 
     # -- decode ---------------------------------------------------------------------------------
+    def _selected(self, layer: int, req: RequestRows) -> int:
+        return 0  # counted by ``_merge_quantized``: the store rows attended (hits + fetched)
+
     def _merge_quantized(self, layer: LayerContext, reqs: list[RequestRows],
                          plans: list[RequestPlan], q: torch.Tensor, batch: BatchPlan,
                          out_exact: torch.Tensor, lse_exact: torch.Tensor) -> torch.Tensor:
@@ -116,6 +119,7 @@ class SpeCacheMethod(MiniKVMethod):
         row_bytes = 2 * d * self.shapes.elem_bytes
         for i, req in enumerate(reqs):
             stats = layer.stats(req.req_id)
+            stats.selected += hits[i] + fetched[i]  # the store rows this step attends
             stats.hits += hits[i]
             stats.bytes_fetched += fetched[i] * row_bytes
             if self.settings.measure_fidelity:  # exact prompt tokens: the slots and the tail
