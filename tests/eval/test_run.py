@@ -50,3 +50,13 @@ def test_runner_default_and_covering_shadowkv_agree_and_run_sparse(tmp_path):
     assert "| niah_single | 2048 | 100.0 | 100.0 |" in table and "| 4/4 |" in table
     assert (out / "accuracy_vs_length.png").stat().st_size > 0
     assert (out / "heatmap_default.png").stat().st_size > 0
+
+
+def test_build_samples_gives_the_harder_task_its_depths(byte_tokenizer):
+    from vllm_shadowkv.eval.run import MAX_TOKENS, build_samples
+
+    assert set(MAX_TOKENS) == set(tasks.TASKS + tasks.HARD_TASKS)
+    out = build_samples(byte_tokenizer, ["niah_collide", "vt"], [1024], [0.25, 0.75], 2, 5)
+    assert [(s.task, s.depth, s.seed) for s in out] == [
+        ("niah_collide", 0.25, 5), ("niah_collide", 0.25, 6), ("niah_collide", 0.75, 5),
+        ("niah_collide", 0.75, 6), ("vt", None, 5), ("vt", None, 6)]

@@ -13,7 +13,7 @@ def _count(tok, text, special=True):
     return len(tok(text, add_special_tokens=special)["input_ids"])
 
 
-@pytest.mark.parametrize("task", tasks.TASKS)
+@pytest.mark.parametrize("task", tasks.TASKS + tasks.HARD_TASKS)
 def test_same_seed_same_sample_other_seed_other_sample(byte_tokenizer, task):
     a = tasks.generate(task, byte_tokenizer, 1024, 0.3, seed=7)
     b = tasks.generate(task, byte_tokenizer, 1024, 0.3, seed=7)
@@ -22,7 +22,7 @@ def test_same_seed_same_sample_other_seed_other_sample(byte_tokenizer, task):
     assert (a.prompt, a.answers) != (c.prompt, c.answers)
 
 
-@pytest.mark.parametrize("task", tasks.TASKS)
+@pytest.mark.parametrize("task", tasks.TASKS + tasks.HARD_TASKS)
 @pytest.mark.parametrize("length", [1024, 4096])
 def test_length_within_tolerance(tokenizer, task, length):
     s = tasks.generate(task, tokenizer, length, 0.5, seed=1)
@@ -31,7 +31,7 @@ def test_length_within_tolerance(tokenizer, task, length):
     assert length - max(64, 0.03 * length) <= n <= length
 
 
-@pytest.mark.parametrize("task", tasks.NIAH_TASKS)
+@pytest.mark.parametrize("task", tasks.NEEDLE_TASKS)
 @pytest.mark.parametrize("depth", [0.0, 0.1, 0.5, 0.9, 1.0])
 def test_first_needle_at_requested_depth(tokenizer, task, depth):
     s = tasks.generate(task, tokenizer, 2048, depth, seed=3)
@@ -47,7 +47,7 @@ def test_first_needle_at_requested_depth(tokenizer, task, depth):
     assert abs(position / haystack - depth) <= 0.03
 
 
-@pytest.mark.parametrize("task", tasks.TASKS)
+@pytest.mark.parametrize("task", tasks.TASKS + tasks.HARD_TASKS)
 def test_answers_only_inside_needles(byte_tokenizer, task):
     for seed in range(3):
         s = tasks.generate(task, byte_tokenizer, 1024, 0.5, seed)
@@ -75,6 +75,42 @@ def test_task_shapes(byte_tokenizer):
     counts = Counter(words)
     assert min(counts[w] for w in cwe.answers) > max(
         c for w, c in counts.items() if w not in cwe.answers)
+
+
+def test_collide_decoys_name_the_key_and_give_no_number(word_tokenizer):
+    """niah_collide: four needles of the asked key, distractor needles of other keys, and one
+    mention decoy (the asked key three times) per DECOY_EVERY haystack sentences. In the fixture
+    model's tokens a value follows a key at offset 3 (the relation its retrieval head reads)
+    only inside the needles, and the asked key's only there for the answers."""
+    for length, seed in ((1024, 0), (4096, 1), (8192, 2)):
+        s = tasks.generate("niah_collide", word_tokenizer, length, 0.5, seed)
+        key = s.answer_prefix.split(" for ")[1].split()[0]
+        assert len(s.answers) == 4 and len(s.needles) == 4 + max(2, length // tasks.DISTRACTOR_TOKENS)
+        assert all(f"for {key} is: {v}." in s.needles[i] for i, v in enumerate(s.answers))
+        assert all(key not in n for n in s.needles[4:])
+        assert not set(s.answers) & {n.split()[-1].rstrip(".") for n in s.needles[4:]}
+        haystack = s.prompt[len(tasks.NIAH_HEADER):s.prompt.rindex("\nWhat")]
+        for n in s.needles:
+            haystack = haystack.replace(n, " ", 1)
+        sentences = haystack.count(".")
+        decoys = haystack.count(f"{key},")
+        assert decoys * tasks.DECOY_EVERY <= sentences + tasks.DECOY_EVERY
+        assert decoys * tasks.DECOY_EVERY >= sentences - tasks.DECOY_EVERY
+        assert haystack.count(key) == 3 * decoys and decoys >= length // 400
+        ids = word_tokenizer(s.prompt + s.answer_prefix)["input_ids"]
+        assert word_tokenizer.unk_token_id not in ids  # the fixture's vocabulary covers it
+        words = word_tokenizer.convert_ids_to_tokens(ids)
+        pairs = [(words[i - 3], w) for i, w in enumerate(words) if w in filler.VALUES]
+        assert len(pairs) == len(s.needles) and all(k in filler.KEYS for k, _ in pairs)
+        assert sorted(v for k, v in pairs if k == key) == sorted(s.answers)
+
+
+def test_hard_tasks_are_not_in_rulers_set():
+    # Default runs, benchmarks and calibration sets iterate TASKS / NIAH_TASKS: unchanged.
+    assert not set(tasks.HARD_TASKS) & set(tasks.TASKS)
+    assert tasks.NEEDLE_TASKS == (*tasks.NIAH_TASKS, *tasks.HARD_TASKS)
+    with pytest.raises(ValueError, match="niah_collide"):
+        tasks.generate("nope", None, 1024)
 
 
 def test_pools_are_disjoint():

@@ -35,13 +35,13 @@ from vllm_shadowkv.eval import report, tasks
 
 # Tokens to generate per task (RULER's budgets, enough for every answer of a real model).
 MAX_TOKENS = {"niah_single": 64, "niah_multikey": 64, "niah_multivalue": 96,
-              "niah_multiquery": 96, "vt": 64, "cwe": 128}
+              "niah_multiquery": 96, "vt": 64, "cwe": 128, "niah_collide": 96}
 
 
 def build_samples(tokenizer, task_names, lengths, depths, samples, seed) -> list[tasks.Sample]:
     out = []
     for task in task_names:
-        task_depths = depths if task in tasks.NIAH_TASKS else [None]
+        task_depths = depths if task in tasks.NEEDLE_TASKS else [None]
         for length in lengths:
             for depth in task_depths:
                 out += [tasks.generate(task, tokenizer, length, depth, seed + i) for i in range(samples)]
@@ -181,7 +181,8 @@ def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="model directory (or name known to vLLM)")
     p.add_argument("--tokenizer", default=None, help="default: the model's")
-    p.add_argument("--tasks", default=",".join(tasks.TASKS), help="comma-separated")
+    p.add_argument("--tasks", default=",".join(tasks.TASKS), help="comma-separated; also "
+                   + ", ".join(tasks.HARD_TASKS) + " (harder, not RULER's)")
     p.add_argument("--lengths", default="4096", help="comma-separated prompt lengths in tokens")
     p.add_argument("--depths", default="0,0.25,0.5,0.75,1", help="needle depths (needle tasks)")
     p.add_argument("--samples", type=int, default=1, help="per task x length x depth")

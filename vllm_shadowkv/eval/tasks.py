@@ -8,6 +8,19 @@ Families (RULER's names and templates, Hsieh et al. 2024):
   vt               variable tracking: a chain of assignments VAR X = 12345, VAR Y = VAR X, ...
   cwe              common-words extraction: the ten most frequent words of a long list
 
+A harder family of our own, kept out of TASKS (RULER's set) so that every default run and
+calibration set stays as it was; ``generate`` takes it like the others:
+  niah_collide     niah_multivalue's four needles of one key, plus mention decoys: sentences
+                   that name the asked key three times but give no number, one in every
+                   DECOY_EVERY haystack sentences, and distractor needles (other keys with
+                   values), one per DISTRACTOR_TOKENS tokens. A decoy's tokens match the query
+                   as a key but hold no value, so full attention, which scores token by token,
+                   still finds only the needles; a chunk mean (a ShadowKV landmark) over two or
+                   three mentions scores above a needle chunk's mean over its one value token,
+                   so the decoys collide with the needles in the landmarks and crowd them out
+                   of a small top-k. The distractor needles' value tokens, like the needles',
+                   stand out of their chunks, so they also compete for the outlier chunks.
+
 ``length`` is the prompt's length in tokens of the given tokenizer (special tokens included,
 generation excluded); ``depth`` (0..1) places the first needle at that fraction of the
 haystack, the other needles at seeded random places.
@@ -23,6 +36,8 @@ from vllm_shadowkv.eval import filler
 
 NIAH_TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery")
 TASKS = (*NIAH_TASKS, "vt", "cwe")
+HARD_TASKS = ("niah_collide",)  # not RULER's: see the module docstring
+NEEDLE_TASKS = (*NIAH_TASKS, *HARD_TASKS)  # tasks with a needle depth
 
 NIAH_HEADER = (
     "Some special magic numbers are hidden within the following text. Make sure to memorize "
@@ -38,6 +53,14 @@ VT_ANSWER = (" Answer: According to the chain of variable assignment in the text
 CWE_HEADER = "Below is a numbered list of words. In these words, some appear more often than others.\n"
 CWE_QUESTION = "\nQuestion: What are the 10 most common words in the above list?"
 CWE_ANSWER = " Answer: The top 10 words that appear most often in the list are:"
+# niah_collide's decoys: the asked key three times, no number. Every word is a filler word or a
+# word of the templates above, so the fixture model's vocabulary (built from those) covers them.
+DECOYS = (
+    "The special magic numbers for {key}, {key} and {key} are hidden in the following text.",
+    "The {key}, the {key} and the {key} {verb} the {adj} {obj} {prep} the {place}.",
+)
+DECOY_EVERY = 24          # haystack sentences per decoy (about 250 tokens of the fixture's)
+DISTRACTOR_TOKENS = 512   # context tokens per distractor needle (at least two)
 
 
 @dataclass
@@ -57,14 +80,16 @@ class Sample:
 
 def generate(task: str, tokenizer, length: int, depth: float | None = 0.5, seed: int = 0) -> Sample:
     """One sample of ``task`` whose prompt is about ``length`` tokens of ``tokenizer``."""
-    if task not in TASKS:
-        raise ValueError(f"unknown task {task!r}; known: {', '.join(TASKS)}")
+    if task not in TASKS + HARD_TASKS:
+        raise ValueError(f"unknown task {task!r}; known: {', '.join(TASKS + HARD_TASKS)}")
     # A string seed: reproducible across processes (hash() of a tuple is salted).
     rng = random.Random(f"{task}/{length}/{depth}/{seed}")
     if task == "cwe":
         return _cwe(tokenizer, length, seed, rng)
     if task == "vt":
         return _vt(tokenizer, length, seed, rng)
+    if task == "niah_collide":
+        return _collide(tokenizer, length, depth if depth is not None else 0.5, seed, rng)
     return _niah(task, tokenizer, length, depth if depth is not None else 0.5, seed, rng)
 
 
@@ -83,6 +108,36 @@ def _niah(task, tokenizer, length, depth, seed, rng) -> Sample:
     depths = [depth] + [rng.random() for _ in needles[1:]]
     prompt = _fit_haystack(tokenizer, length, NIAH_HEADER, question + prefix, needles, depths, rng)
     return Sample(task, length, depth, seed, prompt[: -len(prefix)], prefix, answers, needles)
+
+
+def _collide(tokenizer, length, depth, seed, rng) -> Sample:
+    key = rng.choice(filler.KEYS)
+    values = rng.sample(filler.VALUES, 4)
+    others_k = [k for k in filler.KEYS if k != key]
+    others_v = [v for v in filler.VALUES if v not in values]
+    n_distract = max(2, length // DISTRACTOR_TOKENS)
+    pairs = [(key, v) for v in values]
+    pairs += [(rng.choice(others_k), rng.choice(others_v)) for _ in range(n_distract)]
+    needles = [NEEDLE.format(key=k, value=v) for k, v in pairs]
+    question, prefix = NIAH_QUESTION.format(query=key), NIAH_ANSWER.format(query=key)
+    depths = [depth] + [rng.random() for _ in needles[1:]]
+    stream = _with_decoys(filler.sentences(rng), key, random.Random(rng.random()))
+    prompt = _fit_haystack(tokenizer, length, NIAH_HEADER, question + prefix, needles, depths, rng,
+                           stream)
+    return Sample("niah_collide", length, depth, seed, prompt[: -len(prefix)], prefix, values, needles)
+
+
+def _with_decoys(stream, key, rng):
+    """``stream``'s sentences with every DECOY_EVERY-th (from a random phase) a mention decoy."""
+    phase = rng.randrange(DECOY_EVERY)
+    for i, sentence in enumerate(stream):
+        if i % DECOY_EVERY == phase:
+            yield rng.choice(DECOYS).format(
+                key=key, verb=rng.choice(filler.VERBS), adj=rng.choice(filler.ADJECTIVES),
+                obj=rng.choice(filler.OBJECTS), prep=rng.choice(filler.PREPOSITIONS),
+                place=rng.choice(filler.PLACES))
+        else:
+            yield sentence
 
 
 def _vt(tokenizer, length, seed, rng) -> Sample:
@@ -136,11 +191,12 @@ def _count(tokenizer, text: str, special: bool = True) -> int:
     return len(tokenizer(text, add_special_tokens=special)["input_ids"])
 
 
-def _fit_haystack(tokenizer, length, header, tail, needles, depths, rng) -> str:
-    """header + filler with ``needles`` at ``depths`` + tail, about ``length`` tokens in all."""
+def _fit_haystack(tokenizer, length, header, tail, needles, depths, rng, stream=None) -> str:
+    """header + filler (``stream``'s sentences, default the filler grammar's) with ``needles``
+    at ``depths`` + tail, about ``length`` tokens in all."""
     fixed = _count(tokenizer, header + " ".join(needles) + tail)
     budget = max(0, length - fixed)
-    stream = filler.sentences(rng)
+    stream = filler.sentences(rng) if stream is None else stream
     sents, sizes = [], []
     while sum(sizes) < budget:
         batch = [next(stream) for _ in range(max(8, (budget - sum(sizes)) // 8))]
