@@ -36,7 +36,11 @@ MLPs of layers 0 and 2 are zero. Only layer 2 has to find a token thousands of p
 the first wrong answer of a sparse backend is a needle chunk it did not select. That choice is
 as easy as in a real retrieval head, no easier: the keys of layer 2 have low rank (about 20)
 like real pre-RoPE keys, a needle chunk's landmark (mean key of 8 tokens) scores about 10
-logits above a filler chunk's, and keys everywhere carry random noise.
+logits above a filler chunk's, and keys everywhere carry random noise. The harder task
+niah_collide (eval/tasks.py) needs no other weights: each of its decoys names the asked key
+three times without a number, so a chunk holding two or three of those tokens (64 logits each,
+gated -20 as non-values) has a mean key 16-24 logits above a filler chunk's, above the needle
+chunk's ~10, while each decoy token stays 20 logits below a needle's value token.
 
     python -m vllm_shadowkv.eval.retrieval_model --out vllm_shadowkv/eval/fixtures/retrieval-llama
 """
