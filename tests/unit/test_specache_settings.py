@@ -28,6 +28,8 @@ def test_explicit_settings_parse():
                                           "top_k": 0, "prefetch": "current"})
     assert (s.bits, s.group_size, s.residual, s.top_k, s.prefetch) == (2, 32, 96, 0, "current")
     assert s.kivi_format(64) == KiviFormat(2, 32, 64, 32)
+    s = parse_settings(SpeCacheSettings, {"prefetch": "speculative", "accept_guess": True})
+    assert (s.prefetch, s.accept_guess) == ("speculative", True)
 
 
 @pytest.mark.parametrize("raw, message", [
@@ -39,8 +41,6 @@ def test_explicit_settings_parse():
     ({"top_k": -1}, r"specache.top_k must be >= 0, got -1"),
     ({"prefetch": "next"}, r"specache.prefetch must be one of 'current', 'speculative', "
                            r"got 'next'"),
-    ({"prefetch": "speculative"}, r"specache.prefetch 'speculative' is not built yet; built: "
-                                  r"'current'"),
     ({"prefetch": "current", "accept_guess": True},
      r"specache.accept_guess needs prefetch 'speculative'"),
     ({"accept_guess": 1}, r"specache.accept_guess must be true or false"),
