@@ -17,7 +17,7 @@ def shapes(head=128):
 def test_paper_defaults():
     s = parse_settings(SpeCacheSettings, {})
     assert (s.bits, s.group_size, s.residual, s.top_k, s.prefetch, s.accept_guess) == (
-        1, 64, 64, 64, "current", False)
+        1, 64, 64, 64, "speculative", False)
     assert s.key == "specache"
     s.check_engine(shapes())
     assert s.kivi_format(128) == KiviFormat(1, 64, 128, 64, midpoint_one_bit=True)
@@ -62,3 +62,36 @@ def test_engine_checks_against_the_head_size():
     for head, value_group in ((32, 32), (96, 32), (128, 64)):
         SpeCacheSettings().check_engine(shapes(head))
         assert SpeCacheSettings().kivi_format(head).value_group == value_group
+
+
+def test_speculative_prefetch_needs_the_guess_proposer():
+    """The speculative_config the front end fills in (patches/guess_config.py), and the
+    start-up check that refuses another, naming the one to pass."""
+    from types import SimpleNamespace
+
+    from vllm_shadowkv.backend.engine_check import check_speculative
+    from vllm_shadowkv.methods.specache.guess import ACCEPTING_PROPOSER, PROPOSER
+
+    speculative = parse_settings(SpeCacheSettings, {})
+    wanted = {"method": "custom_class", "model": PROPOSER, "num_speculative_tokens": 1}
+    assert speculative.speculative_config() == wanted
+    accepting = parse_settings(SpeCacheSettings, {"accept_guess": True})
+    assert accepting.speculative_config()["model"] == ACCEPTING_PROPOSER
+    current = parse_settings(SpeCacheSettings, {"prefetch": "current"})
+    assert current.speculative_config() is None
+
+    def config(method="custom_class", model=PROPOSER, tokens=1):
+        return SimpleNamespace(speculative_config=SimpleNamespace(
+            method=method, model=model, num_speculative_tokens=tokens))
+
+    check_speculative(config(), speculative, "specache")
+    check_speculative(SimpleNamespace(speculative_config=None), current, "specache")
+    for bad in (SimpleNamespace(speculative_config=None), config(tokens=2),
+                config(method="ngram", model=None)):
+        with pytest.raises(SettingsError, match=r"specache.prefetch 'speculative' runs its guess "
+                                                r"row through vLLM's speculative decoding: pass "
+                                                r"--speculative-config '\{\"method\": "
+                                                r"\"custom_class\", \"model\": \"vllm_shadowkv"):
+            check_speculative(bad, speculative, "specache")
+    with pytest.raises(SettingsError, match=r"proposes SpeCache's guess rows, which only "):
+        check_speculative(config(), current, "specache")

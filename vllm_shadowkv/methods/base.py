@@ -96,6 +96,11 @@ class EngineSettings:
         """Fill the defaults that depend on the model; explicit settings stay as given."""
         return self
 
+    def speculative_config(self) -> dict[str, Any] | None:
+        """vLLM's ``speculative_config`` the settings need (SpeCache's guess row), or None: the
+        front end sets it when the user gave none and refuses another."""
+        return None
+
     @property
     def key(self) -> str:
         """The ``--additional-config`` key of these settings (the method's name)."""

@@ -106,12 +106,10 @@ class SpeCacheMethod(MiniKVMethod):
         keys = [(r.req_id, layer.index) for r in reqs]
         ahead = self.settings.prefetch == "speculative" and guess > 0
         now = [i for i, key in enumerate(keys) if not (ahead and key in self._ahead)]
-        hits, fetched = [0] * n, [0] * n
         if now:
             wanted = self._wanted(layer, reqs, per_head, lse_exact, batch, s_q - 1 - guess)
-            self._fetch_into(layer, [reqs[i] for i in now], [plans[i] for i in now],
-                             wanted.view(n, -1)[now].view(-1, self.settings.top_k),
-                             now, hits, fetched)
+            self._fetch(layer, [reqs[i] for i in now], [plans[i] for i in now],
+                        wanted.view(n, -1)[now].view(-1, self.settings.top_k))
         slots = torch.cat([self._slot_tokens[key] for key in keys])  # [n * h, k]
         slot_k, slot_v = self._slot_kv(layer, plans)
         out_q, lse_q = mixed_attention.mixed_attention(
@@ -121,18 +119,13 @@ class SpeCacheMethod(MiniKVMethod):
         lse_q = lse_q.view(n, h, s_q, g).transpose(1, 2).reshape(n, s_q, hq)
         out, _ = merge_attention([out_exact, out_q], [lse_exact, lse_q])
         if ahead:  # the next step's slots, from the guess row
-            wanted = self._wanted(layer, reqs, per_head, lse_exact, batch, s_q - 1)
-            self._fetch_into(layer, reqs, plans, wanted, range(n), hits, fetched)
+            self._fetch(layer, reqs, plans,
+                        self._wanted(layer, reqs, per_head, lse_exact, batch, s_q - 1))
             self._ahead.update(keys)
         else:
             self._ahead.difference_update(keys)
-
-        row_bytes = 2 * d * self.shapes.elem_bytes
-        for i, req in enumerate(reqs):
-            stats = layer.stats(req.req_id)
-            stats.hits += hits[i]
-            stats.bytes_fetched += fetched[i] * row_bytes
-            if self.settings.measure_fidelity:  # exact prompt tokens: the slots and the tail
+        if self.settings.measure_fidelity:  # exact prompt tokens: the slots and the tail
+            for i, req in enumerate(reqs):
                 tail = torch.arange(self._fetchable(req.prompt_len), req.prompt_len).expand(h, -1)
                 self._kept[(req.req_id, layer.index)] = torch.cat(
                     [slots[i * h:(i + 1) * h].clamp(min=0).long().cpu(), tail], dim=1)
@@ -156,21 +149,11 @@ class SpeCacheMethod(MiniKVMethod):
         return mixed_attention.top_k_tokens(logits.masked_fill(folded, float("-inf")),
                                             other_lse, 1, self.settings.top_k).view(n * h, -1)
 
-    def _fetch_into(self, layer, reqs, plans, wanted, at, hits: list[int],
-                    fetched: list[int]) -> None:
-        """``_fetch`` for ``reqs``, their hits and fetched tokens added at ``at`` (their
-        indices in the call's lists)."""
-        _, got_hits, got_fetched = self._fetch(layer, reqs, plans, wanted)
-        for i, a, b in zip(at, got_hits, got_fetched):
-            hits[i] += a
-            fetched[i] += b
-
     def _fetch(self, layer: LayerContext, reqs: list[RequestRows], plans: list[RequestPlan],
-               wanted: torch.Tensor) -> tuple[torch.Tensor, list[int], list[int]]:
+               wanted: torch.Tensor) -> None:
         """Bring the ``wanted`` tokens ``[n * h, k]`` (-1: none) into the slots: those already
-        there stay in place, the others are fetched from the store into the slots that the
-        previous step's tokens no longer need. -> the slots' tokens ``[n * h, k]`` and, per
-        request, the hits and the fetched tokens (per KV head, summed)."""
+        there stay in place (the requests' hits), the others are fetched from the store into
+        the slots that the previous step's tokens no longer need."""
         n, h, k = len(reqs), self.shapes.num_kv_heads, self.settings.top_k
         device = wanted.device
         held = torch.cat([self._slot_tokens.get((r.req_id, layer.index),
@@ -200,10 +183,13 @@ class SpeCacheMethod(MiniKVMethod):
             value_rows = torch.stack([p.slot_value_rows for p in plans]).view(n * h, k)
             self.pages.write_rows(layer.kv_cache, key_rows[miss_row, dest], fetched[:, 0])
             self.pages.write_rows(layer.kv_cache, value_rows[miss_row, dest], fetched[:, 1])
+        hits = hit.view(n, h * k).sum(dim=1).tolist()
+        row_bytes = 2 * self.shapes.head_size * self.shapes.elem_bytes
         for i, r in enumerate(reqs):
             self._slot_tokens[(r.req_id, layer.index)] = slots[i * h:(i + 1) * h]
-        hits = (hit.view(n, h * k).sum(dim=1)).tolist()
-        return slots, hits, per_request
+            stats = layer.stats(r.req_id)
+            stats.hits += hits[i]
+            stats.bytes_fetched += per_request[i] * row_bytes
 
     def _slot_kv(self, layer: LayerContext, plans: list[RequestPlan]):
         """The slots' exact K/V ``[n * h, 1, k, d]`` each, read from the pages."""

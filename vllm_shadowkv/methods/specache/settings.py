@@ -13,6 +13,7 @@ from typing import ClassVar
 
 from vllm_shadowkv.core.kivi import KiviFormat
 from vllm_shadowkv.methods.base import EngineSettings, KVShapes, SettingsError, at_least
+from vllm_shadowkv.methods.specache.guess import ACCEPTING_PROPOSER, PROPOSER
 
 BITS = (1, 2)
 GROUP_SIZES = (32, 64)
@@ -35,7 +36,7 @@ class SpeCacheSettings(EngineSettings):
     top_k: int = 64
     """Tokens per KV head and layer whose exact 16-bit K/V are fetched from the CPU store and
     attended in place of their low-bit copies; 0: plain KIVI, nothing fetched."""
-    prefetch: str = "current"
+    prefetch: str = "speculative"
     """"current": the output token's own attention over the low-bit keys picks the top-k, which
     are fetched, then attention again (no overlap); "speculative" (the paper's): each decode
     step also runs the model's guess of the next token (vLLM's speculative decoding with one
@@ -67,6 +68,13 @@ class SpeCacheSettings(EngineSettings):
         if self.accept_guess and self.prefetch != "speculative":
             raise SettingsError("specache.accept_guess needs prefetch 'speculative' (there is "
                                 f"no guess with prefetch {self.prefetch!r})")
+
+    def speculative_config(self) -> dict | None:
+        if self.prefetch != "speculative":
+            return None
+        return {"method": "custom_class",
+                "model": ACCEPTING_PROPOSER if self.accept_guess else PROPOSER,
+                "num_speculative_tokens": 1}
 
     def check_engine(self, shapes: KVShapes) -> None:
         d, per_word = shapes.head_size, 32 // self.bits
