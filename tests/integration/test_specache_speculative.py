@@ -54,8 +54,9 @@ def test_covering_settings_equal_the_default_backend(tiny_model, tmp_path):
 
 def test_defaults_run_the_guess_row(tiny_model, tmp_path):
     """The defaults (1 bit, group 64, top 64 of a 3K prompt, generated tokens folded every
-    64): only the threshold lowered to the tiny model's prompts."""
-    assert_guess_rows_ran(run_specache(tiny_model, {"min_sparse_len": 2048}, tmp_path))
+    64) with the speculative prefetch; the threshold lowered to the tiny model's prompts."""
+    assert_guess_rows_ran(run_specache(tiny_model, {"min_sparse_len": 2048,
+                                                    "prefetch": "speculative"}, tmp_path))
 
 
 def _dir(tmp_path, name):

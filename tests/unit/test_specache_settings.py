@@ -17,7 +17,7 @@ def shapes(head=128):
 def test_paper_defaults():
     s = parse_settings(SpeCacheSettings, {})
     assert (s.bits, s.group_size, s.residual, s.top_k, s.prefetch, s.accept_guess) == (
-        1, 64, 64, 64, "speculative", False)
+        1, 64, 64, 64, "current", False)
     assert s.key == "specache"
     s.check_engine(shapes())
     assert s.kivi_format(128) == KiviFormat(1, 64, 128, 64, midpoint_one_bit=True)
@@ -72,10 +72,11 @@ def test_speculative_prefetch_needs_the_guess_proposer():
     from vllm_shadowkv.backend.engine_check import check_speculative
     from vllm_shadowkv.methods.specache.guess import ACCEPTING_PROPOSER, PROPOSER
 
-    speculative = parse_settings(SpeCacheSettings, {})
+    speculative = parse_settings(SpeCacheSettings, {"prefetch": "speculative"})
     wanted = {"method": "custom_class", "model": PROPOSER, "num_speculative_tokens": 1}
     assert speculative.speculative_config() == wanted
-    accepting = parse_settings(SpeCacheSettings, {"accept_guess": True})
+    accepting = parse_settings(SpeCacheSettings, {"prefetch": "speculative",
+                                                  "accept_guess": True})
     assert accepting.speculative_config()["model"] == ACCEPTING_PROPOSER
     current = parse_settings(SpeCacheSettings, {"prefetch": "current"})
     assert current.speculative_config() is None

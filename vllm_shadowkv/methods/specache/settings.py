@@ -36,9 +36,10 @@ class SpeCacheSettings(EngineSettings):
     top_k: int = 64
     """Tokens per KV head and layer whose exact 16-bit K/V are fetched from the CPU store and
     attended in place of their low-bit copies; 0: plain KIVI, nothing fetched."""
-    prefetch: str = "speculative"
+    prefetch: str = "current"
     """"current": the output token's own attention over the low-bit keys picks the top-k, which
-    are fetched, then attention again (no overlap); "speculative" (the paper's): each decode
+    are fetched, then attention again (no overlap); "speculative" (the paper's; not the default
+    yet: the engine's lifecycle scenarios are calibrated for one row per step): each decode
     step also runs the model's guess of the next token (vLLM's speculative decoding with one
     token, set up at start-up), whose attention picks the next step's top-k, fetched after
     the step's attention; the output row attends those picked the step before."""
