@@ -39,10 +39,10 @@ class SpeCacheSettings(EngineSettings):
     prefetch: str = "current"
     """"current": the output token's own attention over the low-bit keys picks the top-k, which
     are fetched, then attention again (no overlap); "speculative" (the paper's; not the default
-    yet: the engine's lifecycle scenarios are calibrated for one row per step): each decode
-    step also runs the model's guess of the next token (vLLM's speculative decoding with one
-    token, set up at start-up), whose attention picks the next step's top-k, fetched after
-    the step's attention; the output row attends those picked the step before."""
+    until every engine suite has run with it): each decode step also runs the model's guess
+    of the next token (vLLM's speculative decoding with one token, set up at start-up), whose
+    attention picks the next step's top-k, fetched after the step's attention; the output row
+    attends those picked the step before."""
     accept_guess: bool = False
     """Speculative only: vLLM's own verification, which emits the guess row's token too when
     the output row's token equals the guess (two tokens that step). Its K/V are then written
