@@ -5,11 +5,12 @@ Each patch checks that its target still has the shape it was written against and
 misbehaving. ``apply_all`` is idempotent (vLLM loads plugins several times per process).
 """
 
-from vllm_shadowkv.patches import (cpu_backend_selection, guess_row, layer_kv_spec,
-                                   model_runner_v1, runner_requests, startup_validation)
+from vllm_shadowkv.patches import (cpu_backend_selection, guess_config, guess_row,
+                                   layer_kv_spec, model_runner_v1, runner_requests,
+                                   startup_validation)
 
 PATCHES = (cpu_backend_selection, startup_validation, runner_requests, layer_kv_spec,
-           model_runner_v1, guess_row)
+           model_runner_v1, guess_row, guess_config)
 
 
 class PatchTargetChanged(RuntimeError):

@@ -1,8 +1,8 @@
 """Tell the shadowkv backend which requests a worker runs and which ones it releases.
 
 Wraps ``GPUModelRunner._update_states`` (also the CPU runner's): before the runner updates its
-batch, register the runner (request ids and prompt lengths of the batch rows) and release the
-value-store space of finished, aborted, preempted and resumed requests (a resumed request is
+batch, register the runner (request ids and prompt lengths of the batch rows) and the step's
+guess rows (SpeCache), and release the value-store space of finished, aborted, preempted and resumed requests (a resumed request is
 recomputed from scratch, so its old values are stale).
 """
 
@@ -29,6 +29,7 @@ def apply() -> None:
 
         STATE.runner_ref = weakref.ref(self)
         STATE.release(released_requests(scheduler_output))
+        STATE.guesses = guess_rows(self, scheduler_output)
         STATE.report(_logger())
         return original(self, scheduler_output)
 
@@ -48,3 +49,15 @@ def released_requests(scheduler_output) -> set[str]:
     released |= scheduler_output.preempted_req_ids or set()
     released |= scheduler_output.scheduled_cached_reqs.resumed_req_ids
     return released
+
+
+def guess_rows(runner, scheduler_output) -> dict[str, int]:
+    """Rows per request that vLLM will roll back for sure: the drafts of the guess proposer
+    that rejects every guess (patches/guess_row.py)."""
+    from vllm_shadowkv.methods.specache.guess import GuessProposer
+
+    drafter = getattr(runner, "drafter", None)
+    if not isinstance(drafter, GuessProposer) or drafter.accept_guess:
+        return {}
+    return {req_id: len(tokens)
+            for req_id, tokens in scheduler_output.scheduled_spec_decode_tokens.items()}

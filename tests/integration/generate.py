@@ -9,8 +9,8 @@ RESULT:  {"backends": {layer: backend name}, "runner": {"class", "v1", ...},
           "rank_runners": [runner of each rank], "start_s": engine start time,
           "stats": [kv_compression_stats of rank 0 after each batch] (plugin methods only),
           "rank_stats": [[kv_compression_stats of each rank] after each batch] (plugin methods only),
-          "spec_decode": {counter: value} at the end (with a speculative_config and
-          disable_log_stats False in engine_kwargs)}
+          "spec_decode": {counter: value} at the end (with disable_log_stats False in
+          engine_kwargs; speculative decoding set by the user or by the plugin)}
 """
 
 import json
@@ -55,7 +55,7 @@ if __name__ == "__main__":  # vLLM spawns its engine core: keep the entry point 
             }
             for o in outputs
         ])
-    if "speculative_config" in request.get("engine_kwargs", {}):
+    if request.get("engine_kwargs", {}).get("disable_log_stats") is False:
         from vllm.v1.metrics.reader import Counter
 
         result["spec_decode"] = {

@@ -42,25 +42,30 @@ class Engine:
         self.impl = SimpleNamespace(scale=D ** -0.5, _ring_rounds=EngineImpl._ring_rounds)
         self.impl._finalize = lambda ctx, req: EngineImpl._finalize(self.impl, ctx, req)
 
-    def step(self, first: int, end: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Positions [first, end) of the request in one engine step; its output rows in each
-        layer and the rows the KV write covered."""
+    def step(self, first: int, end: int, guess: tuple[torch.Tensor, ...] | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Positions [first, end) of the request in one engine step, and ``guess`` (query, key,
+        value) as a guess row after them; its output rows in each layer and the rows the KV
+        write covered."""
         builder = EngineMetadataBuilder.__new__(EngineMetadataBuilder)
         builder.layout = self.layout
-        n = end - first
+        q, k, v = self.q[first:end], self.k[first:end], self.v[first:end]
+        if guess is not None:
+            q, k, v = (torch.cat([t, g[None]]) for t, g in zip((q, k, v), guess))
+        n = len(q)
+        STATE.guesses = {"r": 1} if guess is not None else {}
         common = SimpleNamespace(num_reqs=1, query_start_loc_cpu=torch.tensor([0, n]),
-                                 seq_lens=torch.tensor([end]), num_actual_tokens=n,
+                                 seq_lens=torch.tensor([first + n]), num_actual_tokens=n,
                                  block_table_tensor=self.block_ids[None])
         metadata = builder.build(0, common)
         rows = metadata.write_rows
-        written = slice(first, end) if rows is None else rows + first
+        written = slice(0, n) if rows is None else rows
         outs = []
         for ctx in self.ctxs:
             write_exact(ctx.kv_cache, self.layout, metadata.write_blocks, metadata.write_slots,
-                        self.k[written], self.v[written])
+                        k[written], v[written])
             outs.append(torch.zeros(n, HQ, D))
-            EngineImpl._run(self.impl, metadata, ctx, self.q[first:end], self.k[first:end],
-                            self.v[first:end], outs[-1])
+            EngineImpl._run(self.impl, metadata, ctx, q, k, v, outs[-1])
         return torch.stack(outs, dim=1), rows
 
 
@@ -69,6 +74,7 @@ def one_request(monkeypatch):
     monkeypatch.setattr(STATE, "batch_requests", lambda num_reqs: (["r"], [PROMPT]))
     yield
     STATE.release(["r"])
+    STATE.guesses = {}
 
 
 @pytest.mark.parametrize("bits, policy", [(2, "pyramid"), (16, "uniform")])
@@ -92,3 +98,26 @@ def test_a_recomputed_chunk_past_the_ring_equals_step_by_step_generation(bits, p
     for s in range(total - 4, total + 1):
         torch.testing.assert_close(recomputed.step(s - 1, s)[0], stepwise.step(s - 1, s)[0],
                                    atol=2e-5, rtol=2e-5)
+
+
+def test_guess_rows_are_never_written_nor_folded(one_request):
+    """Every decode step with a guess row after the output row (SpeCache's second query row),
+    through two folds of the ring: a step whose output row fills the ring is one decode call
+    writing the output row only (the guess row's large K/V would show in the pages), and the
+    committed rows' outputs and the pages are those of plain steps."""
+    settings = MiniKVSettings(min_sparse_len=100, residual=RESIDUAL)
+    total = PROMPT + 2 * RESIDUAL + 3
+    plain, guessing = Engine(settings, total), Engine(settings, total)
+    g = torch.Generator().manual_seed(5)
+    for engine in (plain, guessing):
+        engine.step(0, 100)
+        engine.step(100, PROMPT)
+    for s in range(PROMPT + 1, total + 1):
+        want = plain.step(s - 1, s)[0]
+        guess = (torch.randn(HQ, D, generator=g), 1e3 * torch.randn(H, D, generator=g),
+                 torch.randn(H, D, generator=g))
+        got, rows = guessing.step(s - 1, s, guess)
+        assert rows.tolist() == [0]  # the output row only
+        torch.testing.assert_close(got[:1], want, atol=2e-5, rtol=2e-5)
+    for a, b in zip(plain.ctxs, guessing.ctxs):
+        assert torch.equal(a.kv_cache.view(torch.int32), b.kv_cache.view(torch.int32))

@@ -28,6 +28,8 @@ def test_explicit_settings_parse():
                                           "top_k": 0, "prefetch": "current"})
     assert (s.bits, s.group_size, s.residual, s.top_k, s.prefetch) == (2, 32, 96, 0, "current")
     assert s.kivi_format(64) == KiviFormat(2, 32, 64, 32)
+    s = parse_settings(SpeCacheSettings, {"prefetch": "speculative", "accept_guess": True})
+    assert (s.prefetch, s.accept_guess) == ("speculative", True)
 
 
 @pytest.mark.parametrize("raw, message", [
@@ -39,8 +41,6 @@ def test_explicit_settings_parse():
     ({"top_k": -1}, r"specache.top_k must be >= 0, got -1"),
     ({"prefetch": "next"}, r"specache.prefetch must be one of 'current', 'speculative', "
                            r"got 'next'"),
-    ({"prefetch": "speculative"}, r"specache.prefetch 'speculative' is not built yet; built: "
-                                  r"'current'"),
     ({"prefetch": "current", "accept_guess": True},
      r"specache.accept_guess needs prefetch 'speculative'"),
     ({"accept_guess": 1}, r"specache.accept_guess must be true or false"),
@@ -62,3 +62,37 @@ def test_engine_checks_against_the_head_size():
     for head, value_group in ((32, 32), (96, 32), (128, 64)):
         SpeCacheSettings().check_engine(shapes(head))
         assert SpeCacheSettings().kivi_format(head).value_group == value_group
+
+
+def test_speculative_prefetch_needs_the_guess_proposer():
+    """The speculative_config the front end fills in (patches/guess_config.py), and the
+    start-up check that refuses another, naming the one to pass."""
+    from types import SimpleNamespace
+
+    from vllm_shadowkv.backend.engine_check import check_speculative
+    from vllm_shadowkv.methods.specache.guess import ACCEPTING_PROPOSER, PROPOSER
+
+    speculative = parse_settings(SpeCacheSettings, {"prefetch": "speculative"})
+    wanted = {"method": "custom_class", "model": PROPOSER, "num_speculative_tokens": 1}
+    assert speculative.speculative_config() == wanted
+    accepting = parse_settings(SpeCacheSettings, {"prefetch": "speculative",
+                                                  "accept_guess": True})
+    assert accepting.speculative_config()["model"] == ACCEPTING_PROPOSER
+    current = parse_settings(SpeCacheSettings, {"prefetch": "current"})
+    assert current.speculative_config() is None
+
+    def config(method="custom_class", model=PROPOSER, tokens=1):
+        return SimpleNamespace(speculative_config=SimpleNamespace(
+            method=method, model=model, num_speculative_tokens=tokens))
+
+    check_speculative(config(), speculative, "specache")
+    check_speculative(SimpleNamespace(speculative_config=None), current, "specache")
+    for bad in (SimpleNamespace(speculative_config=None), config(tokens=2),
+                config(method="ngram", model=None)):
+        with pytest.raises(SettingsError, match=r"specache.prefetch 'speculative' runs its guess "
+                                                r"row through vLLM's speculative decoding: pass "
+                                                r"--speculative-config '\{\"method\": "
+                                                r"\"custom_class\", \"model\": \"vllm_shadowkv"):
+            check_speculative(bad, speculative, "specache")
+    with pytest.raises(SettingsError, match=r"proposes SpeCache's guess rows, which only "):
+        check_speculative(config(), current, "specache")

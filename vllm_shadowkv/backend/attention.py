@@ -85,11 +85,13 @@ class EngineMetadata:
     prompt_lens: list[int]
     query_start_loc: list[int]
     seq_lens: list[int]
+    guesses: list[int]  # trailing guess rows per request (RequestRows.guess), never written
     block_table: torch.Tensor  # [num_reqs, max_blocks]
     write_blocks: torch.Tensor  # block id of each written token's K/V
     write_slots: torch.Tensor  # exact slot in that page
     # Rows written now (None: all num_actual_tokens): a step that overfills a method's
-    # generated-token ring has its later segments written by ``EngineImpl._run``.
+    # generated-token ring has its later segments written by ``EngineImpl._run``; guess rows
+    # are left out.
     write_rows: torch.Tensor | None = None
 
 
@@ -114,12 +116,19 @@ class EngineMetadataBuilder(AttentionMetadataBuilder[EngineMetadata]):
         req_ids, prompt_lens = STATE.batch_requests(num_reqs)
         if len(req_ids) < num_reqs:  # a dummy batch: no real requests behind its rows
             req_ids, prompt_lens = [None] * num_reqs, list(seq_lens)
+        # A compressed request's guess rows are never written: the position is the next
+        # step's, and in a step whose output row fills the ring it is the first ring slot,
+        # folded only after the step's attention. An exact request's are (exact attention
+        # reads every row from the pages; the next step overwrites the position).
+        guesses = [STATE.guesses.get(r, 0) if r is not None and self.layout.is_sparse(p) else 0
+                   for r, p in zip(req_ids, prompt_lens)]
         block_table = m.block_table_tensor[:num_reqs]
         blocks, slots, rows, clipped = [], [], [], False
         device = block_table.device
         for i in range(num_reqs):
             first = seq_lens[i] - (query_start_loc[i + 1] - query_start_loc[i])
-            _, end = self.layout.ring_segments(prompt_lens[i], first, seq_lens[i])[0]
+            committed = seq_lens[i] - guesses[i]
+            _, end = self.layout.ring_segments(prompt_lens[i], first, committed)[0]
             clipped |= end < seq_lens[i]
             positions = torch.arange(first, end, device=device)
             b, s = self.layout.exact_token_slots(prompt_lens[i], block_table[i], positions)
@@ -130,7 +139,7 @@ class EngineMetadataBuilder(AttentionMetadataBuilder[EngineMetadata]):
         return EngineMetadata(
             layout=self.layout, num_actual_tokens=m.num_actual_tokens, req_ids=req_ids,
             prompt_lens=prompt_lens, query_start_loc=query_start_loc, seq_lens=seq_lens,
-            block_table=block_table,
+            guesses=guesses, block_table=block_table,
             write_blocks=torch.cat(blocks) if blocks else empty,
             write_slots=torch.cat(slots) if slots else empty,
             write_rows=torch.cat(rows) if clipped else None,
@@ -239,7 +248,7 @@ class EngineImpl(AttentionImpl[EngineMetadata]):
             if end == start:
                 continue
             req = RequestRows(req_id, m.prompt_lens[i], m.seq_lens[i], start, end,
-                              m.block_table[i])
+                              m.block_table[i], m.guesses[i])
             sparse = req_id is not None and layout.is_sparse(req.prompt_len)
             if req_id is not None:
                 STATE.request(req_id, req.prompt_len, sparse)
@@ -252,7 +261,7 @@ class EngineImpl(AttentionImpl[EngineMetadata]):
                 # decode compressed, like when they were generated.
                 split = start + req.prompt_len - first
                 decoding.append(replace(req, start=split))
-                req = replace(req, end=split, seq_len=req.prompt_len)
+                req = replace(req, end=split, seq_len=req.prompt_len, guess=0)
                 start, end = req.start, req.end
             out[start:end] = exact_attention(kv_cache, layout, req.prompt_len, req.block_ids,
                                              req.seq_len, query[start:end], self.scale)
@@ -263,10 +272,11 @@ class EngineImpl(AttentionImpl[EngineMetadata]):
                 self._finalize(ctx, req)
         for segment, reqs in enumerate(self._ring_rounds(layout, decoding)):
             if segment:  # later segments of a long step: their K/V go to the ring now
-                rows = torch.cat([torch.arange(r.start, r.end, device=key.device)
+                rows = torch.cat([torch.arange(r.start, r.end - r.guess, device=key.device)
                                   for r in reqs])
                 slots = [layout.exact_token_slots(r.prompt_len, r.block_ids, torch.arange(
-                    r.seq_len - (r.end - r.start), r.seq_len, device=key.device)) for r in reqs]
+                    r.seq_len - (r.end - r.start), r.committed_len, device=key.device))
+                         for r in reqs]
                 write_exact(kv_cache, layout, torch.cat([b for b, _ in slots]),
                             torch.cat([s for _, s in slots]), key[rows], value[rows])
             method.decode(ctx, reqs, query, key, value, out)
@@ -274,15 +284,19 @@ class EngineImpl(AttentionImpl[EngineMetadata]):
     @staticmethod
     def _ring_rounds(layout: PageLayout, decoding: list[RequestRows]) -> list[list[RequestRows]]:
         """The decode calls of a step: every request's first ring segment, then the second
-        segments of the requests that have one, and so on."""
+        segments of the requests that have one, and so on. Segments cut the committed rows;
+        the guess rows go with the last."""
         rounds: list[list[RequestRows]] = []
         for req in decoding:
             first = req.seq_len - (req.end - req.start)
-            for k, (a, b) in enumerate(layout.ring_segments(req.prompt_len, first, req.seq_len)):
+            segments = layout.ring_segments(req.prompt_len, first, req.committed_len)
+            for k, (a, b) in enumerate(segments):
                 if k == len(rounds):
                     rounds.append([])
+                guess = req.guess if k == len(segments) - 1 else 0
                 rounds[k].append(replace(req, start=req.start + a - first,
-                                         end=req.start + b - first, seq_len=b))
+                                         end=req.start + b - first + guess, seq_len=b + guess,
+                                         guess=guess))
         return rounds
 
     def _finalize(self, ctx: LayerContext, req: RequestRows) -> None:

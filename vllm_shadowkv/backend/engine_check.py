@@ -77,6 +77,7 @@ def validate_engine(vllm_config, method: str) -> Stamp:
     settings.check_engine(shapes)
     check_kernels(settings, method)
     check_runner(vllm_config, method)
+    check_speculative(vllm_config, settings, method)
     settings = settings.resolved(shapes)
     world = parallel.tensor_parallel_size * parallel.pipeline_parallel_size
     check_kv_offloading(vllm_config, method)
@@ -107,6 +108,28 @@ def check_runner(vllm_config, method: str) -> None:
             "captured graphs would write the KV cache without the engine's per-step metadata; "
             "remove it from --compilation-config")
     logger.info("%s: running on vLLM's Model Runner V1", method)
+
+
+def check_speculative(vllm_config, settings, method: str) -> None:
+    """The speculative decoding the settings need (SpeCache's guess row), which the front end
+    fills in when none was given (``patches/guess_config.py``); none of the guess proposers
+    without it (their guess rows are attended by SpeCache's decode only)."""
+    import json
+
+    from vllm_shadowkv.methods.specache.guess import ACCEPTING_PROPOSER, PROPOSER
+
+    wanted, spec = settings.speculative_config(), vllm_config.speculative_config
+    have = None if spec is None else {"method": spec.method, "model": spec.model,
+                                      "num_speculative_tokens": spec.num_speculative_tokens}
+    if wanted is not None and have != wanted:
+        raise SettingsError(
+            f"{method}.prefetch 'speculative' runs its guess row through vLLM's speculative "
+            f"decoding: pass --speculative-config '{json.dumps(wanted)}' or none (it is then "
+            f"set for you), or set {method}.prefetch 'current'; got {have}")
+    if wanted is None and have is not None and have["model"] in (PROPOSER, ACCEPTING_PROPOSER):
+        raise SettingsError(
+            f"--speculative-config {have['model']} proposes SpeCache's guess rows, which only "
+            f"--attention-backend specache with prefetch 'speculative' attends; remove it")
 
 
 def check_kernels(settings, method: str) -> None:

@@ -81,6 +81,10 @@ class WorkerState:
     # request id -> layers whose prompt is compressed (values in the store)
     compressed: dict[str, set[int]] = field(default_factory=dict)
     requests: dict[str, RequestStats] = field(default_factory=dict)
+    # This step's guess rows per request id (SpeCache's second query row, never committed):
+    # the scheduled draft tokens when the runner's drafter is the guess proposer that rejects
+    # every guess. Other drafts may be accepted, so their rows are written like any other.
+    guesses: dict[str, int] = field(default_factory=dict)
     # measure_fidelity only: (request id, layer) -> exact prompt (keys, values) in host memory
     reference_kv: dict = field(default_factory=dict)
     finished: deque = field(default_factory=lambda: deque(maxlen=1024))  # (req_id, stats)

@@ -96,6 +96,11 @@ class EngineSettings:
         """Fill the defaults that depend on the model; explicit settings stay as given."""
         return self
 
+    def speculative_config(self) -> dict[str, Any] | None:
+        """vLLM's ``speculative_config`` the settings need (SpeCache's guess row), or None: the
+        front end sets it when the user gave none and refuses another."""
+        return None
+
     @property
     def key(self) -> str:
         """The ``--additional-config`` key of these settings (the method's name)."""
@@ -134,10 +139,18 @@ class RequestRows:
 
     req_id: str
     prompt_len: int
-    seq_len: int  # tokens in the context after this step
+    seq_len: int  # position after this step's last row (vLLM's seq_len: guess rows included)
     start: int  # this step's query rows [start, end) in the batch
     end: int
     block_ids: torch.Tensor  # the request's vLLM block table row
+    guess: int = 0
+    """Trailing rows of [start, end) that are a guess of the next token (SpeCache's second
+    query row): attended, never committed (not in the pages, not in ``committed_len``)."""
+
+    @property
+    def committed_len(self) -> int:
+        """Tokens in the context after this step: ``seq_len`` without the guess rows."""
+        return self.seq_len - self.guess
 
 
 class KVMethod(ABC):

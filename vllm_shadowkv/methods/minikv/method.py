@@ -119,10 +119,10 @@ class MiniKVMethod(KVMethod):
 
     def decode(self, layer: LayerContext, reqs: list[RequestRows], query: torch.Tensor,
                key: torch.Tensor, value: torch.Tensor, out: torch.Tensor) -> None:
-        by_rows: dict[int, list[RequestRows]] = {}
-        for req in reqs:  # one batch per query length (1 in plain decoding)
-            by_rows.setdefault(req.end - req.start, []).append(req)
-        for s_q, group in by_rows.items():
+        by_rows: dict[tuple[int, int], list[RequestRows]] = {}
+        for req in reqs:  # one batch per query length and guess rows (1 and 0 in plain decoding)
+            by_rows.setdefault((req.end - req.start, req.guess), []).append(req)
+        for (s_q, _), group in by_rows.items():
             self._decode_batch(layer, group, s_q, query, key, value, out)
 
     def release(self, req_id: str) -> None:
@@ -136,22 +136,29 @@ class MiniKVMethod(KVMethod):
     # -- decode -------------------------------------------------------------------------------
     def _decode_batch(self, layer: LayerContext, reqs: list[RequestRows], s_q: int, query,
                       key, value, out) -> None:
-        """One step of one layer for every request of ``reqs`` (``s_q`` query rows each)."""
-        n, h = len(reqs), self.shapes.num_kv_heads
+        """One step of one layer for every request of ``reqs`` (``s_q`` query rows each, the
+        last ``guess`` of them guess rows: attended, not in the pages, never folded)."""
+        n, h, guess = len(reqs), self.shapes.num_kv_heads, reqs[0].guess
         rows = torch.tensor([i for r in reqs for i in range(r.start, r.end)],
                             device=query.device)
         q = query[rows].unflatten(0, (n, s_q))
         plans = [self._caught_up_plan(layer, r, s_q) for r in reqs]
         batch = self._batch_plan(reqs, plans)
 
-        # Exact part: the 16-bit rows (every query row sees them) and the ring (causal).
+        # Exact part: the 16-bit rows (every query row sees them), the ring (causal) and the
+        # guess rows' own K/V, from the step's tensors (seen by the guess rows, causal).
         ring_k, ring_v, ring_mask = self._ring(layer, reqs, s_q)
         pool = self.pages.row_pool(layer.kv_cache)
         width = batch.key_rows.shape[2]
         row_mask = torch.arange(width, device=q.device) < batch.row_count.view(-1, 1)
-        keys = torch.cat([pool[batch.key_rows], ring_k], dim=2)  # [B, h, T + R, d]
-        values = torch.cat([pool[batch.value_rows], ring_v], dim=2)
-        mask = torch.cat([row_mask.view(n, 1, 1, width).expand(-1, -1, s_q, -1), ring_mask], -1)
+        step = torch.arange(s_q, device=q.device)
+        guess_k, guess_v = (t[rows].unflatten(0, (n, s_q))[:, s_q - guess:].transpose(1, 2)
+                            for t in (key, value))  # [B, h, guess, d]
+        guess_mask = step.view(-1, 1) >= s_q - guess + step[:guess]
+        keys = torch.cat([pool[batch.key_rows], ring_k, guess_k], dim=2)  # [B, h, T + R + u, d]
+        values = torch.cat([pool[batch.value_rows], ring_v, guess_v], dim=2)
+        mask = torch.cat([row_mask.view(n, 1, 1, width).expand(-1, -1, s_q, -1), ring_mask,
+                          guess_mask.expand(n, 1, -1, -1)], -1)
         result, lse = attention_with_lse(q, keys, values, mask, layer.scale)
         if self.pages.fmt is not None and int(batch.group_count.max()) > 0:
             result = self._merge_quantized(layer, reqs, plans, q, batch, result, lse)
@@ -159,16 +166,16 @@ class MiniKVMethod(KVMethod):
 
         ring = self.settings.residual
         for i, (req, plan) in enumerate(zip(reqs, plans)):
-            if (req.seq_len - req.prompt_len) % ring == 0:  # this step filled the ring
+            if (req.committed_len - req.prompt_len) % ring == 0:  # this step filled the ring
                 self._fold(layer, req, plan, ring_k[i, :, :ring], ring_v[i, :, :ring])
             stats = layer.stats(req.req_id)
             stats.decode_steps += 1
             stats.selected += self._selected(layer.index, req)
             reference = layer.reference_kv.get((req.req_id, layer.index))
-            if reference is not None:
-                step = rows[i * s_q:(i + 1) * s_q]
-                self._record_fidelity(layer, req, reference, q[i], result[i], key[step],
-                                      value[step], stats)
+            if reference is not None:  # the committed rows
+                step = rows[i * s_q:(i + 1) * s_q - guess]
+                self._record_fidelity(layer, req, reference, q[i, :s_q - guess],
+                                      result[i, :s_q - guess], key[step], value[step], stats)
 
     def _selected(self, layer: int, req: RequestRows) -> int:
         """What a step adds to the request's ``selected`` counter: the prompt tokens kept."""
@@ -191,7 +198,7 @@ class MiniKVMethod(KVMethod):
         return out
 
     def _ring(self, layer: LayerContext, reqs: list[RequestRows], s_q: int):
-        """The 16-bit generated tokens not folded yet, this step's included: K/V
+        """The 16-bit generated tokens not folded yet, this step's committed ones included: K/V
         ``[B, h, R, d]`` (position order, padded) and the causal mask ``[B, 1, s_q, R]``."""
         key = tuple((r.req_id, r.seq_len) for r in reqs)
         if self._ring_index is None or self._ring_index[0] != key:  # shared by the layers
@@ -205,18 +212,19 @@ class MiniKVMethod(KVMethod):
         ring, device = self.settings.residual, layer.kv_cache.device
         blocks, slots, before = [], [], []
         for r in reqs:
-            generated = r.seq_len - r.prompt_len
-            folded = (generated - s_q) // ring * ring
-            positions = torch.arange(r.prompt_len + folded, r.seq_len, device=device)
+            generated, committed = r.committed_len - r.prompt_len, s_q - r.guess
+            folded = (generated - committed) // ring * ring
+            positions = torch.arange(r.prompt_len + folded, r.committed_len, device=device)
             b, s = layer.layout.exact_token_slots(r.prompt_len, r.block_ids, positions)
             blocks.append(b)
             slots.append(s)
-            before.append(generated - folded - s_q)
+            before.append(generated - folded - committed)
         blocks = torch.nn.utils.rnn.pad_sequence(blocks, batch_first=True)
         slots = torch.nn.utils.rnn.pad_sequence(slots, batch_first=True)
-        # Key j of request b is visible to its query row i when j <= before[b] + i.
+        # Key j of request b is visible to its query row i when j <= before[b] + i; a guess
+        # row sees what the last committed row sees (the whole ring, not the padding).
         limit = torch.tensor(before, device=device).view(-1, 1, 1, 1) + torch.arange(
-            s_q, device=device).view(1, 1, -1, 1)
+            s_q, device=device).clamp(max=s_q - reqs[0].guess - 1).view(1, 1, -1, 1)
         mask = torch.arange(blocks.shape[1], device=device) <= limit
         return blocks, slots, mask
 

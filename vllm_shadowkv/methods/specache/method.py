@@ -2,7 +2,10 @@
 on the pages (1 or 2 bits), its exact 16-bit K/V in the host store; each decode step picks the
 ``top_k`` tokens per KV head that the output row attends most over the low-bit keys, fetches
 those that missed the previous step's slots, and attends them exactly in place of their low-bit
-copies (``prefetch: "current"``, the paper's non-speculative mode).
+copies (``prefetch: "current"``, the paper's non-speculative mode). With ``prefetch:
+"speculative"`` each decode step also carries a guess of the next token (methods/README.md,
+"SpeCache's second query row"): the output row attends the slots the previous step's guess row
+picked, with no fetch before it, and the guess row's top-k is fetched for the next step.
 
 The pages are MiniKV's with every token kept and ``top_k`` exact rows per KV head for the slots,
 and the decode step is MiniKV's (16-bit tail and generated-token ring exact, the quantized
@@ -37,6 +40,8 @@ class SpeCacheMethod(MiniKVMethod):
         # Quantized token ids in each request's slots, per (request, layer): [h, top_k] int32,
         # -1 empty. The slots' K/V are rows of the request's pages (RequestPlan.slot_*_rows).
         self._slot_tokens: dict[tuple[str, int], torch.Tensor] = {}
+        # (request, layer) whose slots a guess row picked for the request's next step.
+        self._ahead: set[tuple[str, int]] = set()
 
     @classmethod
     def covering_settings(cls, key_width: int, context_len: int) -> dict:
@@ -65,6 +70,7 @@ class SpeCacheMethod(MiniKVMethod):
             rows = torch.stack([keys[:fetchable], values[:fetchable]], dim=2)  # [P, h, 2, d]
             layer.store.put((req.req_id, layer.index), rows.transpose(0, 1).cpu())
         self._slot_tokens.pop((req.req_id, layer.index), None)  # a recomputed request
+        self._ahead.discard((req.req_id, layer.index))
         # Empty slots are masked, but a reused page may hold anything (NaN bit patterns of
         # another request's codes), and a masked NaN value still poisons the weighted sum.
         plan = self._plan(layer, req, self.pages.shape(layer.index, req.prompt_len))
@@ -77,37 +83,37 @@ class SpeCacheMethod(MiniKVMethod):
         super().release(req_id)
         for key in [k for k in self._slot_tokens if k[0] == req_id]:
             del self._slot_tokens[key]
+            self._ahead.discard(key)
 
     # -- decode ---------------------------------------------------------------------------------
     def _selected(self, layer: int, req: RequestRows) -> int:
-        return 0  # counted by ``_merge_quantized``: the store rows attended (hits + fetched)
+        return 0  # counted by ``_fetch``: the store rows brought into the slots
 
     def _merge_quantized(self, layer: LayerContext, reqs: list[RequestRows],
                          plans: list[RequestPlan], q: torch.Tensor, batch: BatchPlan,
                          out_exact: torch.Tensor, lse_exact: torch.Tensor) -> torch.Tensor:
         """The quantized groups with each KV head's top-k tokens attended exact from the slots,
-        merged with the exact part. Each (request, KV head) is one row of the group table."""
+        merged with the exact part. Each (request, KV head) is one row of the group table.
+
+        The slots hold the top-k of the output row (the last committed one), fetched now; in
+        the speculative mode, those of the previous step's guess row instead, fetched then,
+        and after the attention the guess row's top-k is fetched for the next step. A request
+        with nothing picked ahead (its first decode step, a step without a guess) picks now."""
         if not self.settings.top_k:
             return super()._merge_quantized(layer, reqs, plans, q, batch, out_exact, lse_exact)
         n, s_q, hq, d = q.shape
-        h = self.shapes.num_kv_heads
+        h, guess = self.shapes.num_kv_heads, reqs[0].guess
         g = hq // h
         per_head = q.view(n, s_q, h, g, d).transpose(1, 2).reshape(n * h, s_q, g, d)
         pool = self.pages.unit_pool(layer.kv_cache)
-        # The top-k of the step's last row (a decode step's only one): its probabilities over
-        # the whole context, the exact part's included.
-        last_lse = lse_exact[:, -1].view(n, h, g).reshape(n * h, g)
-        logits = mixed_attention.quant_logits(per_head[:, -1], pool, batch.group_table,
-                                              batch.group_count, self.pages.fmt, layer.scale)
-        fetchable = torch.tensor([self._fetchable(r.prompt_len) for r in reqs],
-                                 device=q.device).repeat_interleave(h).view(-1, 1, 1)
-        folded = torch.arange(logits.shape[-1], device=q.device) >= fetchable
-        # Folded generated tokens count in the probabilities but cannot be fetched.
-        other_lse = torch.logaddexp(
-            last_lse, torch.logsumexp(logits.masked_fill(~folded, float("-inf")), dim=-1))
-        wanted = mixed_attention.top_k_tokens(logits.masked_fill(folded, float("-inf")),
-                                              other_lse, 1, self.settings.top_k)  # [n*h, 1, k]
-        slots, hits, fetched = self._fetch(layer, reqs, plans, wanted.view(n * h, -1))
+        keys = [(r.req_id, layer.index) for r in reqs]
+        ahead = self.settings.prefetch == "speculative" and guess > 0
+        now = [i for i, key in enumerate(keys) if not (ahead and key in self._ahead)]
+        if now:
+            wanted = self._wanted(layer, reqs, per_head, lse_exact, batch, s_q - 1 - guess)
+            self._fetch(layer, [reqs[i] for i in now], [plans[i] for i in now],
+                        wanted.view(n, -1)[now].view(-1, self.settings.top_k))
+        slots = torch.cat([self._slot_tokens[key] for key in keys])  # [n * h, k]
         slot_k, slot_v = self._slot_kv(layer, plans)
         out_q, lse_q = mixed_attention.mixed_attention(
             per_head, pool, batch.group_table, batch.group_count, self.pages.fmt, layer.scale,
@@ -115,25 +121,42 @@ class SpeCacheMethod(MiniKVMethod):
         out_q = out_q.view(n, h, s_q, g, d).transpose(1, 2).reshape(n, s_q, hq, d)
         lse_q = lse_q.view(n, h, s_q, g).transpose(1, 2).reshape(n, s_q, hq)
         out, _ = merge_attention([out_exact, out_q], [lse_exact, lse_q])
-
-        row_bytes = 2 * d * self.shapes.elem_bytes
-        for i, req in enumerate(reqs):
-            stats = layer.stats(req.req_id)
-            stats.selected += hits[i] + fetched[i]  # the store rows this step attends
-            stats.hits += hits[i]
-            stats.bytes_fetched += fetched[i] * row_bytes
-            if self.settings.measure_fidelity:  # exact prompt tokens: the slots and the tail
+        if ahead:  # the next step's slots, from the guess row
+            self._fetch(layer, reqs, plans,
+                        self._wanted(layer, reqs, per_head, lse_exact, batch, s_q - 1))
+            self._ahead.update(keys)
+        else:
+            self._ahead.difference_update(keys)
+        if self.settings.measure_fidelity:  # exact prompt tokens: the slots and the tail
+            for i, req in enumerate(reqs):
                 tail = torch.arange(self._fetchable(req.prompt_len), req.prompt_len).expand(h, -1)
                 self._kept[(req.req_id, layer.index)] = torch.cat(
                     [slots[i * h:(i + 1) * h].clamp(min=0).long().cpu(), tail], dim=1)
         return out
 
+    def _wanted(self, layer: LayerContext, reqs: list[RequestRows], per_head: torch.Tensor,
+                lse_exact: torch.Tensor, batch: BatchPlan, row: int) -> torch.Tensor:
+        """The top-k fetchable tokens ``[n * h, k]`` of query row ``row`` (per KV head, by its
+        probabilities over the whole context, the exact part's included)."""
+        n, h = len(reqs), self.shapes.num_kv_heads
+        g = per_head.shape[2]
+        row_lse = lse_exact[:, row].view(n, h, g).reshape(n * h, g)
+        logits = mixed_attention.quant_logits(per_head[:, row], self.pages.unit_pool(
+            layer.kv_cache), batch.group_table, batch.group_count, self.pages.fmt, layer.scale)
+        fetchable = torch.tensor([self._fetchable(r.prompt_len) for r in reqs],
+                                 device=per_head.device).repeat_interleave(h).view(-1, 1, 1)
+        folded = torch.arange(logits.shape[-1], device=per_head.device) >= fetchable
+        # Folded generated tokens count in the probabilities but cannot be fetched.
+        other_lse = torch.logaddexp(
+            row_lse, torch.logsumexp(logits.masked_fill(~folded, float("-inf")), dim=-1))
+        return mixed_attention.top_k_tokens(logits.masked_fill(folded, float("-inf")),
+                                            other_lse, 1, self.settings.top_k).view(n * h, -1)
+
     def _fetch(self, layer: LayerContext, reqs: list[RequestRows], plans: list[RequestPlan],
-               wanted: torch.Tensor) -> tuple[torch.Tensor, list[int], list[int]]:
+               wanted: torch.Tensor) -> None:
         """Bring the ``wanted`` tokens ``[n * h, k]`` (-1: none) into the slots: those already
-        there stay in place, the others are fetched from the store into the slots that the
-        previous step's tokens no longer need. -> the slots' tokens ``[n * h, k]`` and, per
-        request, the hits and the fetched tokens (per KV head, summed)."""
+        there stay in place (the requests' hits), the others are fetched from the store into
+        the slots that the previous step's tokens no longer need."""
         n, h, k = len(reqs), self.shapes.num_kv_heads, self.settings.top_k
         device = wanted.device
         held = torch.cat([self._slot_tokens.get((r.req_id, layer.index),
@@ -163,10 +186,14 @@ class SpeCacheMethod(MiniKVMethod):
             value_rows = torch.stack([p.slot_value_rows for p in plans]).view(n * h, k)
             self.pages.write_rows(layer.kv_cache, key_rows[miss_row, dest], fetched[:, 0])
             self.pages.write_rows(layer.kv_cache, value_rows[miss_row, dest], fetched[:, 1])
+        hits = hit.view(n, h * k).sum(dim=1).tolist()
+        row_bytes = 2 * self.shapes.head_size * self.shapes.elem_bytes
         for i, r in enumerate(reqs):
             self._slot_tokens[(r.req_id, layer.index)] = slots[i * h:(i + 1) * h]
-        hits = (hit.view(n, h * k).sum(dim=1)).tolist()
-        return slots, hits, per_request
+            stats = layer.stats(r.req_id)
+            stats.selected += hits[i] + per_request[i]  # the store rows brought into the slots
+            stats.hits += hits[i]
+            stats.bytes_fetched += per_request[i] * row_bytes
 
     def _slot_kv(self, layer: LayerContext, plans: list[RequestPlan]):
         """The slots' exact K/V ``[n * h, 1, k, d]`` each, read from the pages."""

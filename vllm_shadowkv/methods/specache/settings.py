@@ -13,11 +13,11 @@ from typing import ClassVar
 
 from vllm_shadowkv.core.kivi import KiviFormat
 from vllm_shadowkv.methods.base import EngineSettings, KVShapes, SettingsError, at_least
+from vllm_shadowkv.methods.specache.guess import ACCEPTING_PROPOSER, PROPOSER
 
 BITS = (1, 2)
 GROUP_SIZES = (32, 64)
 PREFETCH_MODES = ("current", "speculative")
-BUILT_PREFETCH_MODES = ("current",)
 
 
 @dataclass(frozen=True)
@@ -38,14 +38,17 @@ class SpeCacheSettings(EngineSettings):
     attended in place of their low-bit copies; 0: plain KIVI, nothing fetched."""
     prefetch: str = "current"
     """"current": the output token's own attention over the low-bit keys picks the top-k, which
-    are fetched, then attention again (no overlap); "speculative" (the paper's, not built
-    yet): each decode step also runs the model's guess of the next token, whose attention
-    picks the next step's top-k, fetched while the step computes."""
+    are fetched, then attention again (no overlap); "speculative" (the paper's; not the default
+    until every engine suite has run with it): each decode step also runs the model's guess
+    of the next token (vLLM's speculative decoding with one token, set up at start-up), whose
+    attention picks the next step's top-k, fetched after the step's attention; the output row
+    attends those picked the step before."""
     accept_guess: bool = False
-    """Speculative only: when the output row confirms the guess (the guessed input token is
-    the token the output row produced), also emit the speculative row's token and keep its KV
-    (two tokens in that step, the second attended without its own top-k fetched); off, the
-    guess only steers the prefetch and its KV is dropped, as in the paper."""
+    """Speculative only: vLLM's own verification, which emits the guess row's token too when
+    the output row's token equals the guess (two tokens that step). Its K/V are then written
+    like any row's, and the step's slots are those its last row picks, fetched before the
+    attention (nothing is picked ahead). Off: the guess only steers the prefetch and its K/V
+    are never kept, as in the paper."""
 
     def check(self) -> None:
         super().check()
@@ -63,12 +66,16 @@ class SpeCacheSettings(EngineSettings):
         if self.prefetch not in PREFETCH_MODES:
             raise SettingsError(f"specache.prefetch must be one of "
                                 f"{', '.join(map(repr, PREFETCH_MODES))}, got {self.prefetch!r}")
-        if self.prefetch not in BUILT_PREFETCH_MODES:
-            raise SettingsError(f"specache.prefetch {self.prefetch!r} is not built yet; built: "
-                                f"{', '.join(map(repr, BUILT_PREFETCH_MODES))}")
         if self.accept_guess and self.prefetch != "speculative":
             raise SettingsError("specache.accept_guess needs prefetch 'speculative' (there is "
                                 f"no guess with prefetch {self.prefetch!r})")
+
+    def speculative_config(self) -> dict | None:
+        if self.prefetch != "speculative":
+            return None
+        return {"method": "custom_class",
+                "model": ACCEPTING_PROPOSER if self.accept_guess else PROPOSER,
+                "num_speculative_tokens": 1}
 
     def check_engine(self, shapes: KVShapes) -> None:
         d, per_word = shapes.head_size, 32 // self.bits
