@@ -45,7 +45,8 @@ def test_solves_needle_families_at_4k_with_vllm_default_backend(word_tokenizer, 
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    samples = [tasks.generate(t, word_tokenizer, 4096, d, i) for t, d, i in SAMPLE]
+    # The harder task too (niah_collide): dense attention still answers it.
+    samples = [tasks.generate(t, word_tokenizer, 4096, d, i) for t, d, i in SAMPLE + COLLIDE]
     prompts = [TokensPrompt(prompt_token_ids=word_tokenizer(s.prompt + s.answer_prefix)["input_ids"])
                for s in samples]
     llm = LLM(model=str(FIXTURE), enforce_eager=True, max_model_len=4200, seed=0)
@@ -135,21 +136,3 @@ def test_collide_decoys_crowd_the_needles_out_of_the_landmark_top_k(word_tokeniz
             assert outl | top == needles, (task, needles, outl, top)
         else:
             assert not top, (task, needles, top)
-
-
-@pytest.mark.slow
-def test_solves_collide_at_4k_with_vllm_default_backend(word_tokenizer, monkeypatch):
-    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    samples = [tasks.generate(t, word_tokenizer, 4096, d, i) for t, d, i in COLLIDE]
-    prompts = [TokensPrompt(prompt_token_ids=word_tokenizer(s.prompt + s.answer_prefix)["input_ids"])
-               for s in samples]
-    llm = LLM(model=str(FIXTURE), enforce_eager=True, max_model_len=4200, seed=0)
-    try:
-        outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6), use_tqdm=False)
-    finally:
-        llm.llm_engine.engine_core.shutdown()
-    for s, out in zip(samples, outs):
-        assert tasks.score(s, out.outputs[0].text) == 1.0, (s.task, s.depth, s.answers, out.outputs[0].text)

@@ -109,7 +109,7 @@ class World:
     def __init__(self, method: MiniKVMethod, requests: dict[str, tuple[int, int]], hq=8,
                  seed=0):
         g = torch.Generator().manual_seed(seed)
-        self.method, self.layout = method, PageLayout(method)
+        self.method, self.layout, self.requests = method, PageLayout(method), requests
         shapes = method.shapes
         h, d, dtype = shapes.num_kv_heads, shapes.head_size, shapes.dtype
         need = {r: self.layout.blocks_needed(p, p + n) for r, (p, n) in requests.items()}
@@ -242,12 +242,17 @@ def test_covering_settings_are_dense_attention():
     over the whole context."""
     method = make_method(MiniKVSettings(**MiniKVMethod.covering_settings(128, 4096),
                                         min_sparse_len=64), h=2, d=64, num_layers=2)
-    p, gen = 203, 13
-    world = World(method, {"r": (p, gen)})
-    world.prefill("r", chunk=64)
+    assert_decode_is_dense(World(method, {"r": (203, 13)}))
+
+
+def assert_decode_is_dense(world: World) -> None:
+    """Prefill world's one request, then decode all of its generated tokens: each step equals
+    dense attention over the exact context."""
+    ((r, (p, gen)),) = world.requests.items()
+    world.prefill(r, chunk=64)
     for s in range(p + 1, p + gen + 1):
-        out = world.step({"r": s})["r"]
-        dense = causal_attention(world.q["r"][s - 1:s], world.k["r"][:s], world.v["r"][:s],
+        out = world.step({r: s})[r]
+        dense = causal_attention(world.q[r][s - 1:s], world.k[r][:s], world.v[r][:s],
                                  world.ctx.scale)
         torch.testing.assert_close(out, dense[0], atol=1e-5, rtol=1e-5)
 
@@ -258,28 +263,38 @@ def test_one_batched_call_equals_each_request_alone(bits):
     finishes before the others) in one decode call per step, against the same pages decoded
     one request per call: same outputs, same pages after."""
     settings = MiniKVSettings(bits=bits, min_sparse_len=100, residual=16)
-    requests = {"a": (150, 40), "b": (333, 40), "c": (212, 20)}
+    batched, alone = batched_and_alone(lambda: World(make_method(settings, h=2, d=64,
+                                                                 num_layers=2), BATCH, seed=3))
+    assert batched.method._plans.keys() == alone.method._plans.keys()
+
+
+BATCH = {"a": (150, 40), "b": (333, 40), "c": (212, 20)}  # request: (prompt, generated)
+
+
+def batched_and_alone(build_world, steps: int = 20) -> tuple[World, World]:
+    """Two identical worlds of the BATCH requests, staggered (a and c started decoding
+    earlier), then ``steps`` steps: one decode call for every live request in the first, one
+    per request in the second, with equal outputs and, after, bit-identical pages."""
     worlds = []
     for _ in range(2):
-        method = make_method(settings, h=2, d=64, num_layers=2)
-        world = World(method, requests, seed=3)
-        for r in requests:
+        world = build_world()
+        for r in BATCH:
             world.prefill(r, chunk=100)
-        for r, ahead in (("a", 3), ("c", 7)):  # staggered: a and c started decoding earlier
-            for s in range(requests[r][0] + 1, requests[r][0] + ahead + 1):
+        for r, ahead in (("a", 3), ("c", 7)):
+            for s in range(BATCH[r][0] + 1, BATCH[r][0] + ahead + 1):
                 world.step({r: s})
         worlds.append(world)
     batched, alone = worlds
     progress = {"a": 150 + 3, "b": 333, "c": 212 + 7}  # tokens in each context
-    for _ in range(20):
-        live = {r: n + 1 for r, n in progress.items() if n + 1 <= sum(requests[r])}
+    for _ in range(steps):
+        live = {r: n + 1 for r, n in progress.items() if n + 1 <= sum(BATCH[r])}
         got = batched.step(live)
         for r, s in live.items():
             torch.testing.assert_close(got[r], alone.step({r: s})[r], atol=1e-6, rtol=1e-6)
         progress.update(live)
-    assert progress["c"] == sum(requests["c"]) and progress["a"] < sum(requests["a"])
+    assert progress["c"] == sum(BATCH["c"]) and progress["a"] < sum(BATCH["a"])
     assert torch.equal(batched.cache.view(torch.int32), alone.cache.view(torch.int32))  # bits
-    assert batched.method._plans.keys() == alone.method._plans.keys()
+    return batched, alone
 
 
 def test_release_drops_everything_kept_on_the_side():

@@ -6,9 +6,9 @@ alone."""
 
 import pytest
 import torch
-from test_minikv_pages import LLAMA8B, World
+from test_minikv_pages import (BATCH, LLAMA8B, World, assert_decode_is_dense,
+                               batched_and_alone)
 
-from vllm_shadowkv.backend.exact_attention import causal_attention
 from vllm_shadowkv.backend.layout import PageLayout
 from vllm_shadowkv.core.attention import attention_with_lse_reference
 from vllm_shadowkv.core.kivi import dequantize_groups, quantize_groups
@@ -205,39 +205,15 @@ def test_covering_settings_are_dense_attention():
     method = make_method(SpeCacheSettings(**SpeCacheMethod.covering_settings(128, 4096),
                                           min_sparse_len=64), h=2, d=64, num_layers=2)
     assert method.pages.fmt.bits == 1
-    p, gen = 203, 13
-    world = make_world(method, {"r": (p, gen)})
-    world.prefill("r", chunk=64)
-    for s in range(p + 1, p + gen + 1):
-        out = world.step({"r": s})["r"]
-        dense = causal_attention(world.q["r"][s - 1:s], world.k["r"][:s], world.v["r"][:s],
-                                 world.ctx.scale)
-        torch.testing.assert_close(out, dense[0], atol=1e-5, rtol=1e-5)
+    assert_decode_is_dense(make_world(method, {"r": (203, 13)}))
 
 
 def test_one_batched_call_equals_each_request_alone():
     settings = SpeCacheSettings(group_size=32, residual=32, top_k=16, min_sparse_len=100)
-    requests = {"a": (150, 40), "b": (333, 40), "c": (212, 20)}
-    worlds = []
-    for _ in range(2):
-        method = make_method(settings, h=2, d=64, num_layers=2)
-        world = make_world(method, requests, seed=3)
-        for r in requests:
-            world.prefill(r, chunk=100)
-        for r, ahead in (("a", 3), ("c", 7)):
-            for s in range(requests[r][0] + 1, requests[r][0] + ahead + 1):
-                world.step({r: s})
-        worlds.append(world)
-    batched, alone = worlds
-    progress = {"a": 150 + 3, "b": 333, "c": 212 + 7}
-    for _ in range(20):
-        live = {r: n + 1 for r, n in progress.items() if n + 1 <= sum(requests[r])}
-        got = batched.step(live)
-        for r, s in live.items():
-            torch.testing.assert_close(got[r], alone.step({r: s})[r], atol=1e-6, rtol=1e-6)
-        progress.update(live)
-    assert torch.equal(batched.cache.view(torch.int32), alone.cache.view(torch.int32))
-    for r in requests:
+    batched, alone = batched_and_alone(lambda: make_world(make_method(settings, h=2, d=64,
+                                                                      num_layers=2), BATCH,
+                                                          seed=3))
+    for r in BATCH:
         assert torch.equal(batched.method._slot_tokens[(r, 0)], alone.method._slot_tokens[(r, 0)])
 
 
