@@ -1,6 +1,6 @@
 """SpeCache's guess row without an engine: the proposer and the sampling patch's hand-over
 (patches/guess_row.py) on a stand-in runner and sampler. Through vLLM:
-tests/integration/test_specache_guess_row.py."""
+tests/integration/test_specache_speculative.py."""
 
 from types import SimpleNamespace
 
