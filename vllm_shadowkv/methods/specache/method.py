@@ -110,7 +110,7 @@ class SpeCacheMethod(MiniKVMethod):
         ahead = self.settings.prefetch == "speculative" and guess > 0
         now = [i for i, key in enumerate(keys) if not (ahead and key in self._ahead)]
         if now:
-            wanted = self._wanted(layer, reqs, per_head, lse_exact, batch, s_q - 1 - guess)
+            wanted = self._wanted(pool, layer, reqs, per_head, lse_exact, batch, s_q - 1 - guess)
             self._fetch(layer, [reqs[i] for i in now], [plans[i] for i in now],
                         wanted.view(n, -1)[now].view(-1, self.settings.top_k))
         slots = torch.cat([self._slot_tokens[key] for key in keys])  # [n * h, k]
@@ -123,7 +123,7 @@ class SpeCacheMethod(MiniKVMethod):
         out, _ = merge_attention([out_exact, out_q], [lse_exact, lse_q])
         if ahead:  # the next step's slots, from the guess row
             self._fetch(layer, reqs, plans,
-                        self._wanted(layer, reqs, per_head, lse_exact, batch, s_q - 1))
+                        self._wanted(pool, layer, reqs, per_head, lse_exact, batch, s_q - 1))
             self._ahead.update(keys)
         else:
             self._ahead.difference_update(keys)
@@ -134,15 +134,16 @@ class SpeCacheMethod(MiniKVMethod):
                     [slots[i * h:(i + 1) * h].clamp(min=0).long().cpu(), tail], dim=1)
         return out
 
-    def _wanted(self, layer: LayerContext, reqs: list[RequestRows], per_head: torch.Tensor,
-                lse_exact: torch.Tensor, batch: BatchPlan, row: int) -> torch.Tensor:
+    def _wanted(self, pool, layer: LayerContext, reqs: list[RequestRows],
+                per_head: torch.Tensor, lse_exact: torch.Tensor, batch: BatchPlan,
+                row: int) -> torch.Tensor:
         """The top-k fetchable tokens ``[n * h, k]`` of query row ``row`` (per KV head, by its
         probabilities over the whole context, the exact part's included)."""
         n, h = len(reqs), self.shapes.num_kv_heads
         g = per_head.shape[2]
         row_lse = lse_exact[:, row].view(n, h, g).reshape(n * h, g)
-        logits = mixed_attention.quant_logits(per_head[:, row], self.pages.unit_pool(
-            layer.kv_cache), batch.group_table, batch.group_count, self.pages.fmt, layer.scale)
+        logits = mixed_attention.quant_logits(per_head[:, row], pool, batch.group_table,
+                                              batch.group_count, self.pages.fmt, layer.scale)
         fetchable = torch.tensor([self._fetchable(r.prompt_len) for r in reqs],
                                  device=per_head.device).repeat_interleave(h).view(-1, 1, 1)
         folded = torch.arange(logits.shape[-1], device=per_head.device) >= fetchable
@@ -182,8 +183,7 @@ class SpeCacheMethod(MiniKVMethod):
             layer.store.gather_many([(r.req_id, layer.index) for r in reqs],
                                     (miss_row % h).cpu(), tokens.cpu(), per_request, fetched)
             fetched = fetched.to(device)
-            key_rows = torch.stack([p.slot_key_rows for p in plans]).view(n * h, k)
-            value_rows = torch.stack([p.slot_value_rows for p in plans]).view(n * h, k)
+            key_rows, value_rows = self._slot_rows(plans)
             self.pages.write_rows(layer.kv_cache, key_rows[miss_row, dest], fetched[:, 0])
             self.pages.write_rows(layer.kv_cache, value_rows[miss_row, dest], fetched[:, 1])
         hits = hit.view(n, h * k).sum(dim=1).tolist()
@@ -198,7 +198,11 @@ class SpeCacheMethod(MiniKVMethod):
     def _slot_kv(self, layer: LayerContext, plans: list[RequestPlan]):
         """The slots' exact K/V ``[n * h, 1, k, d]`` each, read from the pages."""
         pool = self.pages.row_pool(layer.kv_cache)
+        key_rows, value_rows = self._slot_rows(plans)
+        return pool[key_rows.unsqueeze(1)], pool[value_rows.unsqueeze(1)]
+
+    def _slot_rows(self, plans: list[RequestPlan]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Row ids of the batch's slots in the layer's pages, keys and values ``[n * h, k]``."""
         k = self.settings.top_k
-        key_rows = torch.stack([p.slot_key_rows for p in plans]).view(-1, 1, k)
-        value_rows = torch.stack([p.slot_value_rows for p in plans]).view(-1, 1, k)
-        return pool[key_rows], pool[value_rows]
+        return (torch.stack([p.slot_key_rows for p in plans]).view(-1, k),
+                torch.stack([p.slot_value_rows for p in plans]).view(-1, k))
