@@ -33,6 +33,17 @@ def uses_host_store(method: str) -> bool:
     return cls(settings.resolved(shapes), shapes).store_bytes(0, 4096) > 0
 
 
+# What a method needs beyond its defaults on the project's random-weight models: TailorKV's
+# q_layers "auto" needs a family table entry or a profile, and a profile of random weights finds
+# every layer dense (all quantized, nothing offloaded): the paper's Llama-3.x set instead.
+MODEL_SETTINGS = {"tailorkv": {"q_layers": [0]}}
+
+
+def default_settings(method: str, **changes) -> dict:
+    """The method's defaults on the built-in models, with ``changes``."""
+    return MODEL_SETTINGS.get(method, {}) | changes
+
+
 def engine_env() -> dict[str, str]:
     env = dict(os.environ)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")

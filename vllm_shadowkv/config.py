@@ -68,6 +68,8 @@ def _typed(key: str, name: str, value: Any, hint) -> Any:
     allowed = set(typing.get_args(hint)) if isinstance(hint, types.UnionType) else {hint}
     if value is None and type(None) in allowed:
         return None
+    if isinstance(value, (list, tuple)) and any(typing.get_origin(t) is tuple for t in allowed):
+        return tuple(value)  # a list setting (TailorKV's q_layers): check() sees the items
     want = next(t for t in (bool, str, float, int) if t in allowed)
     ok = isinstance(value, int) and not isinstance(value, bool)
     if want is float:
@@ -77,6 +79,8 @@ def _typed(key: str, name: str, value: Any, hint) -> Any:
     if not ok:
         kind = {int: "an integer", float: "a number", bool: "true or false",
                 str: "a string"}[want]
+        if any(typing.get_origin(t) is tuple for t in allowed):
+            kind = f"a list or {kind}"
         raise SettingsError(f"{key}.{name} must be {kind}, got {value!r} "
                             f"({type(value).__name__})")
     return want(value)

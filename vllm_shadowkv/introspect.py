@@ -48,6 +48,7 @@ class EngineWorkerExtension:
         stores = STATE._stores.values()
         return {
             "method": STATE.engine.stamp.method if STATE.engine else None,
+            "settings": STATE.engine.stamp.settings.as_dict() if STATE.engine else None,
             "requests": {req_id: row(s) for req_id, s in STATE.requests.items()},
             "finished": {req_id: row(s) for req_id, s in STATE.finished},
             "store": {

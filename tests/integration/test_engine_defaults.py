@@ -2,7 +2,7 @@
 compressed; under vLLM's default backend the plugin says nothing."""
 
 import pytest
-from engine_utils import generate_in_fresh_process
+from engine_utils import default_settings, generate_in_fresh_process
 
 from vllm_shadowkv.methods import METHODS
 from vllm_shadowkv.models import build_model
@@ -22,13 +22,17 @@ LONG = "The quick brown fox jumps over the lazy dog. " * 94
 def test_defaults_start_and_run_compressed(method, model, key_width, tmp_path):
     result = generate_in_fresh_process({
         "model": str(build_model(model)), "attention_backend": method, "batches": [[LONG]],
-        "max_tokens": 4, "engine_kwargs": {"max_model_len": 8192},
+        "max_tokens": 4, "engine_kwargs": {
+            "max_model_len": 8192, "additional_config": {method: default_settings(method)}},
     }, tmp_path)
     assert set(result["backends"].values()) == {method.upper()}
     stats = result["stats"][0]
-    modes = [r["mode"] for r in (stats["finished"] | stats["requests"]).values()]
-    assert modes == ["sparse"]
+    requests = list((stats["finished"] | stats["requests"]).values())
+    assert [r["mode"] for r in requests] == ["sparse"]
     assert stats["method"] == method
+    if method == "tailorkv":  # layer 0 quantized, the others fetch their top-k from the store
+        assert stats["settings"]["q_layers"] == [0]
+        assert requests[0]["bytes_fetched"] > 0 and requests[0]["hits"] > 0
 
 
 def test_plugin_is_silent_under_the_default_backend(tiny_model, tmp_path):

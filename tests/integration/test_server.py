@@ -3,7 +3,7 @@
 import json
 
 import pytest
-from engine_utils import engine_env
+from engine_utils import default_settings, engine_env
 
 from vllm_shadowkv.introspect import EXTENSION_CLASS
 from vllm_shadowkv.methods import METHODS
@@ -20,7 +20,8 @@ def server(request, tiny_model, tmp_path_factory):
     args = [
         "--attention-backend", method.upper(), "--enforce-eager", "--max-model-len", "2048",
         "--worker-extension-cls", EXTENSION_CLASS,
-        "--additional-config", json.dumps({method: {"min_sparse_len": 1024}}),
+        "--additional-config",
+        json.dumps({method: default_settings(method, min_sparse_len=1024)}),
     ]
     with serve(tiny_model, args, log, env, timeout=300) as base:
         yield base, tiny_model, method

@@ -28,12 +28,6 @@ def test_defaults_are_accepted_and_stamped(tiny_model):
     assert stamp["store_bytes"] == 16 << 30
 
 
-@pytest.mark.parametrize("name", ["TailorKV"])
-def test_a_method_not_built_yet_is_refused_with_the_built_ones(tiny_model, name):
-    with pytest.raises(ValueError, match=f"--attention-backend {name.lower()} is not built yet; "
-                                         "available: shadowkv, minikv, specache"):
-        engine_config(tiny_model, backend=name)
-
 
 def test_minikv_settings_are_checked_with_the_allowed_values(tiny_model):
     stamp = engine_config(tiny_model, backend="MiniKV").additional_config[STAMP_KEY]

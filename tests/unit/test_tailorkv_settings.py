@@ -33,7 +33,7 @@ def test_q_layers_from_json_become_a_tuple():
     ({"q_layers": [True]}, "tailorkv.q_layers must be a list of layer indices"),
     ({"q_layers": [1, 1]}, "lists a layer twice"),
     ({"bits": 4}, "tailorkv.bits must be one of 1, 2, got 4"),
-    ({"group_size": 0}, "tailorkv.group_size must be >= 1"),
+    ({"group_size": 0}, "tailorkv.group_size must be one of 32, 64, got 0"),
     ({"residual": 96}, "tailorkv.residual (96) must be a multiple of group_size (64)"),
     ({"residual": 32}, "tailorkv.residual must be >= 64"),
     ({"sink": -1}, "tailorkv.sink must be >= 0"),
@@ -42,6 +42,7 @@ def test_q_layers_from_json_become_a_tuple():
     ({"top_k_ratio": 0.0}, "tailorkv.top_k_ratio must be in (0, 1]"),
     ({"top_k_ratio": 1.5}, "tailorkv.top_k_ratio must be in (0, 1]"),
     ({"critical_channels": 0}, "tailorkv.critical_channels must be >= 1"),
+    ({"group_size": 48, "residual": 96}, "tailorkv.group_size must be one of 32, 64, got 48"),
     ({"channel_query": "next"}, "tailorkv.channel_query must be one of 'current', 'predicted'"),
     ({"kernels": "cuda"}, "tailorkv.kernels must be one of"),
 ])
@@ -53,8 +54,7 @@ def test_check_names_the_key_and_the_allowed_values(changes, message):
 
 @pytest.mark.parametrize("changes,shapes,message", [
     ({"critical_channels": 129}, {}, "critical_channels (129) exceeds the head size (128)"),
-    ({"group_size": 48, "residual": 96}, {}, "group_size (48) must divide the head size (128)"),
-    ({"bits": 1, "group_size": 16, "residual": 16}, {"head_size": 80},
+    ({"bits": 1, "group_size": 32, "residual": 32}, {"head_size": 80},
      "bits 1 packs 32 codes per int32"),
     ({"q_layers": [0, 31, 32, 40]}, {}, "q_layers [32, 40] are not layers of this model"),
 ])

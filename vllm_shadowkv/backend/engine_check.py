@@ -74,6 +74,7 @@ def validate_engine(vllm_config, method: str) -> Stamp:
         block_size=cache_config.block_size,
         num_layers=model_config.get_num_layers(parallel),
         max_model_len=model_config.max_model_len)
+    settings = settings.for_model(model_config)
     settings.check_engine(shapes)
     check_kernels(settings, method)
     check_runner(vllm_config, method)

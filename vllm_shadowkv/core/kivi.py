@@ -33,7 +33,7 @@ class KiviFormat:
     group: int = 16  # tokens per key group = tokens per token group (page)
     head_dim: int = 128
     value_group: int = 16  # channels per value group
-    midpoint_one_bit: bool = True  # SpeCache's 1-bit quantizer; False: plain KIVI (TailorKV)
+    midpoint_one_bit: bool = True  # SpeCache's 1-bit quantizer (TailorKV too); False: plain KIVI
 
     def __post_init__(self):
         assert self.bits in SUPPORTED_BITS, self.bits

@@ -11,22 +11,20 @@ from vllm_shadowkv.methods.base import KVMethod, SettingsError
 from vllm_shadowkv.methods.minikv import MiniKVMethod
 from vllm_shadowkv.methods.shadowkv import ShadowKVMethod
 from vllm_shadowkv.methods.specache import SpeCacheMethod
+from vllm_shadowkv.methods.tailorkv import TailorKVMethod
 
 METHODS: dict[str, type[KVMethod]] = {
     ShadowKVMethod.name: ShadowKVMethod,
     MiniKVMethod.name: MiniKVMethod,
     SpeCacheMethod.name: SpeCacheMethod,
+    TailorKVMethod.name: TailorKVMethod,
 }
-# Names reserved for the methods of the project's papers that are not built yet: selecting one
-# is refused at start-up with the list of the built ones (not vLLM's "unknown backend").
-PLANNED = ("tailorkv",)
-NAMES = (*METHODS, *PLANNED)
+NAMES = tuple(METHODS)
 
 
 def method_class(name: str) -> type[KVMethod]:
     cls = METHODS.get(name.lower())
     if cls is None:
-        state = "is not built yet" if name.lower() in PLANNED else "is not a method of this plugin"
-        raise SettingsError(
-            f"--attention-backend {name} {state}; available: {', '.join(METHODS)}")
+        raise SettingsError(f"--attention-backend {name} is not a method of this plugin; "
+                            f"available: {', '.join(METHODS)}")
     return cls

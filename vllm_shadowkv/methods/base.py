@@ -92,6 +92,11 @@ class EngineSettings:
     def check_engine(self, shapes: KVShapes) -> None:
         """Checks that need the engine's shapes (per tensor-parallel rank)."""
 
+    def for_model(self, model_config) -> EngineSettings:
+        """Fill the settings that depend on the model's own config (vLLM's ``ModelConfig``),
+        before the shape checks; explicit settings stay as given."""
+        return self
+
     def resolved(self, shapes: KVShapes) -> EngineSettings:
         """Fill the defaults that depend on the model; explicit settings stay as given."""
         return self

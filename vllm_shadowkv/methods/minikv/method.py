@@ -235,7 +235,7 @@ class MiniKVMethod(KVMethod):
         generated = req.seq_len - req.prompt_len
         growth = layer.layout.growth_ids(req.prompt_len, generated, req.block_ids)
         ids = self.pages.fold_ids(plan.shape, growth, generated // self.settings.residual - 1)
-        if self.pages.fmt is not None:
+        if plan.shape.units_per_page:  # a quantized layer
             groups = quantize_groups(ring_k.transpose(0, 1), ring_v.transpose(0, 1),
                                      self.pages.fmt)
             self.pages.write_groups(layer.kv_cache, ids, groups)

@@ -116,12 +116,15 @@ class MiniKVPages:
         at least one exact token (the engine's exact pages use the smallest page), and a count
         that gives whole rows and a whole number of 16-bit elements per token slot."""
         bs, unit = self.shapes.block_size, self.unit_bytes
-        slot_bytes = bs * self.shapes.elem_bytes
-        step = math.lcm(slot_bytes // math.gcd(unit, slot_bytes),
-                        self.row_bytes // math.gcd(unit, self.row_bytes))
         need = self.retention(layer) * bs * self.units_per_kept_token - _EPS
         exact = 2 * self.shapes.key_width * self.shapes.elem_bytes
-        units = max(math.ceil(need), -(-exact // unit))
+        return self.whole_units(max(math.ceil(need), -(-exact // unit)))
+
+    def whole_units(self, units: int) -> int:
+        """``units`` rounded up to a page of whole rows and whole 16-bit elements per token."""
+        unit, slot_bytes = self.unit_bytes, self.shapes.block_size * self.shapes.elem_bytes
+        step = math.lcm(slot_bytes // math.gcd(unit, slot_bytes),
+                        self.row_bytes // math.gcd(unit, self.row_bytes))
         return -(-units // step) * step
 
     def page_bytes(self, layer: int) -> int:
@@ -145,7 +148,7 @@ class MiniKVPages:
         kept = sum(self.kept(layer, prompt_len))
         groups = kept // self.settings.group_size if self.fmt else 0
         return LayerShape(
-            units_per_page=self.units_per_page(layer) if self.fmt else 0,
+            units_per_page=self.units_per_page(layer) if self.quantized(layer) else 0,
             rows_per_page=self.rows_per_page(layer), groups=groups,
             tail=kept - groups * self.settings.group_size, slots=self.slots)
 
@@ -163,16 +166,24 @@ class MiniKVPages:
                 for layer in range(len(self.heavy)))
         return blocks
 
-    @cached_property
-    def fold_units(self) -> int:
-        """Units (rows at 16 bits) one fold of the ring adds per layer."""
+    def quantized(self, layer: int) -> bool:
+        """Whether ``layer`` keeps quantized groups (else 16-bit rows only)."""
+        return self.fmt is not None
+
+    def fold_units(self, quantized: bool) -> int:
+        """Units (rows in a 16-bit layer) one fold of the ring adds to a layer."""
         h, ring = self.shapes.num_kv_heads, self.settings.residual
-        return h * ring // self.settings.group_size if self.fmt else 2 * h * ring
+        return h * ring // self.settings.group_size if quantized else 2 * h * ring
+
+    @cached_property
+    def _fold_sizes(self) -> list[tuple[int, int]]:
+        """Per layer: (units or rows a fold adds, units or rows per page)."""
+        return [(self.fold_units(True), self.units_per_page(layer)) if self.quantized(layer)
+                else (self.fold_units(False), self.rows_per_page(layer))
+                for layer in range(len(self.heavy))]
 
     def growth_blocks(self, num_folds: int) -> int:
-        per_page = min((self.units_per_page(layer) if self.fmt else self.rows_per_page(layer))
-                       for layer in range(len(self.heavy)))
-        return -(-num_folds * self.fold_units // per_page)
+        return max(-(-num_folds * units // per_page) for units, per_page in self._fold_sizes)
 
     # -- views of a layer's pages (no copies) --------------------------------------------------
     def unit_pool(self, kv_cache: torch.Tensor) -> QuantizedGroups:
@@ -212,13 +223,15 @@ class MiniKVPages:
 
     def fold_ids(self, shape: LayerShape, growth_ids: torch.Tensor, fold: int) -> torch.Tensor:
         """Ids of fold ``fold``'s units (rows at 16 bits) in the growth pages, in write order."""
-        per_page = shape.units_per_page if self.fmt else shape.rows_per_page
-        return _ids(growth_ids, per_page, fold * self.fold_units, self.fold_units)
+        quantized = shape.units_per_page > 0
+        per_page = shape.units_per_page if quantized else shape.rows_per_page
+        count = self.fold_units(quantized)
+        return _ids(growth_ids, per_page, fold * count, count)
 
     def extend(self, plan: RequestPlan, fold_ids: torch.Tensor) -> None:
         """Append one fold's ids to a plan."""
         h = self.shapes.num_kv_heads
-        if self.fmt:
+        if plan.shape.units_per_page:
             new = fold_ids.view(-1, h).t().to(torch.int32)
             plan.units = torch.cat([plan.units, new], dim=1)
         else:
@@ -232,8 +245,9 @@ class MiniKVPages:
         a later layer may not have written what an earlier one appended)."""
         assert folds <= plan.folds
         ring, g = self.settings.residual, self.settings.group_size
-        units = plan.shape.groups + folds * ring // g if self.fmt else 0
-        rows = plan.shape.tail + (0 if self.fmt else folds * ring)
+        quantized = plan.shape.units_per_page > 0
+        units = plan.shape.groups + folds * ring // g if quantized else 0
+        rows = plan.shape.tail + (0 if quantized else folds * ring)
         return RequestPlan(plan.shape, plan.units[:, :units], plan.key_rows[:, :rows],
                            plan.value_rows[:, :rows], folds, plan.slot_key_rows,
                            plan.slot_value_rows)

@@ -23,6 +23,7 @@ from vllm_shadowkv.core.attention import merge_attention
 from vllm_shadowkv.methods.base import KVShapes, LayerContext, RequestRows
 from vllm_shadowkv.methods.minikv.method import MiniKVMethod
 from vllm_shadowkv.methods.minikv.pages import BatchPlan, MiniKVPages, RequestPlan
+from vllm_shadowkv.methods.slots import fetch_into_slots
 from vllm_shadowkv.methods.specache.settings import SpeCacheSettings
 from vllm_shadowkv.store import paged_bytes
 
@@ -155,45 +156,16 @@ class SpeCacheMethod(MiniKVMethod):
 
     def _fetch(self, layer: LayerContext, reqs: list[RequestRows], plans: list[RequestPlan],
                wanted: torch.Tensor) -> None:
-        """Bring the ``wanted`` tokens ``[n * h, k]`` (-1: none) into the slots: those already
-        there stay in place (the requests' hits), the others are fetched from the store into
-        the slots that the previous step's tokens no longer need."""
+        """Bring the ``wanted`` tokens ``[n * h, k]`` (-1: none) into the slots
+        (``methods/slots.py``: those already there stay, the others are fetched)."""
         n, h, k = len(reqs), self.shapes.num_kv_heads, self.settings.top_k
-        device = wanted.device
-        held = torch.cat([self._slot_tokens.get((r.req_id, layer.index),
-                                                torch.full((h, k), -1, dtype=torch.int32,
-                                                           device=device)) for r in reqs])
-        same = (wanted.unsqueeze(2) == held.unsqueeze(1)) & (wanted >= 0).unsqueeze(2)
-        hit, still_wanted = same.any(dim=2), same.any(dim=1)
-        miss = (wanted >= 0) & ~hit
-        # The i-th miss of a row goes to the row's i-th slot not wanted any more (there are as
-        # many of those as the row has misses at least: wanted tokens are distinct).
-        free_slots = torch.sort(still_wanted.to(torch.int8), dim=1, stable=True).indices
-        miss_row, miss_col = miss.nonzero(as_tuple=True)
-        rank = (torch.cumsum(miss.to(torch.int32), dim=1) - 1)[miss_row, miss_col]
-        dest = free_slots[miss_row, rank]
-        slots = held.masked_fill(~still_wanted, -1)
-        tokens = wanted[miss_row, miss_col]
-        slots[miss_row, dest] = tokens
-
-        per_request = miss.view(n, h * k).sum(dim=1).tolist()
-        if miss_row.numel():
-            fetched = torch.empty(miss_row.numel(), 2, self.shapes.head_size,
-                                  dtype=self.shapes.dtype)
-            layer.store.gather_many([(r.req_id, layer.index) for r in reqs],
-                                    (miss_row % h).cpu(), tokens.cpu(), per_request, fetched)
-            fetched = fetched.to(device)
-            key_rows, value_rows = self._slot_rows(plans)
-            self.pages.write_rows(layer.kv_cache, key_rows[miss_row, dest], fetched[:, 0])
-            self.pages.write_rows(layer.kv_cache, value_rows[miss_row, dest], fetched[:, 1])
-        hits = hit.view(n, h * k).sum(dim=1).tolist()
-        row_bytes = 2 * self.shapes.head_size * self.shapes.elem_bytes
-        for i, r in enumerate(reqs):
-            self._slot_tokens[(r.req_id, layer.index)] = slots[i * h:(i + 1) * h]
-            stats = layer.stats(r.req_id)
-            stats.selected += hits[i] + per_request[i]  # the store rows brought into the slots
-            stats.hits += hits[i]
-            stats.bytes_fetched += per_request[i] * row_bytes
+        empty = torch.full((h, k), -1, dtype=torch.int32, device=wanted.device)
+        held = torch.stack([self._slot_tokens.get((r.req_id, layer.index), empty) for r in reqs])
+        key_rows, value_rows = self._slot_rows(plans)
+        slots = fetch_into_slots(layer, reqs, held, wanted.view(n, h, k), key_rows.view(n, h, k),
+                                 value_rows.view(n, h, k), self.pages)
+        for r, tokens in zip(reqs, slots):
+            self._slot_tokens[(r.req_id, layer.index)] = tokens
 
     def _slot_kv(self, layer: LayerContext, plans: list[RequestPlan]):
         """The slots' exact K/V ``[n * h, 1, k, d]`` each, read from the pages."""

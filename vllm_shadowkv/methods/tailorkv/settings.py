@@ -9,13 +9,16 @@ config, so the method resolves it, not ``resolved(shapes)``.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
+from vllm_shadowkv.core.kivi import KiviFormat
 from vllm_shadowkv.methods.base import EngineSettings, KVShapes, SettingsError, at_least
+from vllm_shadowkv.methods.tailorkv.layers import auto_q_layers
 
 AUTO = "auto"
 BITS = (1, 2)
+GROUP_SIZES = (32, 64)  # the quantized-attention kernels' key groups
 CHANNEL_QUERIES = ("current", "predicted")
 
 
@@ -30,7 +33,7 @@ class TailorKVSettings(EngineSettings):
     bits: int = 1
     """Bits per quantized key and value in the Q-layers: 1 (TailorKV-1) or 2 (TailorKV-2)."""
     group_size: int = 64
-    """Tokens per key group and channels per value group of the KIVI quantizer."""
+    """KIVI group: 32 or 64 (tokens per key group, channels per value group)."""
     residual: int = 128
     """Tokens of a Q-layer held 16-bit before they are quantized together (a multiple of
     group_size)."""
@@ -70,7 +73,9 @@ class TailorKVSettings(EngineSettings):
         if self.bits not in BITS:
             raise SettingsError(f"tailorkv.bits must be one of {', '.join(map(str, BITS))}, "
                                 f"got {self.bits}")
-        at_least(self, "group_size", 1)
+        if self.group_size not in GROUP_SIZES:
+            raise SettingsError(f"tailorkv.group_size must be one of "
+                                f"{', '.join(map(str, GROUP_SIZES))}, got {self.group_size}")
         at_least(self, "residual", self.group_size)
         if self.residual % self.group_size:
             raise SettingsError(
@@ -93,11 +98,6 @@ class TailorKVSettings(EngineSettings):
         if self.critical_channels > d:
             raise SettingsError(f"tailorkv.critical_channels ({self.critical_channels}) exceeds "
                                 f"the head size ({d}); allowed: 1..{d}")
-        if d % self.group_size:
-            divisors = [g for g in range(1, d + 1) if d % g == 0]
-            raise SettingsError(
-                f"tailorkv.group_size ({self.group_size}) must divide the head size ({d}): "
-                f"values are quantized in groups of channels; allowed here: {divisors}")
         if d % (32 // self.bits):
             raise SettingsError(
                 f"tailorkv.bits {self.bits} packs {32 // self.bits} codes per int32 along the "
@@ -108,6 +108,26 @@ class TailorKVSettings(EngineSettings):
                 raise SettingsError(
                     f"tailorkv.q_layers {outside} are not layers of this model: it has "
                     f"{shapes.num_layers} attention layers (allowed: 0..{shapes.num_layers - 1})")
+
+    def for_model(self, model_config) -> TailorKVSettings:
+        if self.q_layers != AUTO:
+            return self
+        return replace(self, q_layers=auto_q_layers(model_config.hf_config, model_config.model))
+
+    # What the shared quantized pages (methods/minikv/pages.py) read; the Q-layers keep every
+    # token, the S-layers' pages are TailorKV's own (methods/tailorkv/pages.py).
+    quantized: ClassVar[bool] = True
+    recent_ratio: ClassVar[float] = 1.0
+
+    def heavy_budgets(self, num_layers: int) -> list[float]:
+        return [0.0] * num_layers
+
+    def kivi_format(self, head_dim: int) -> KiviFormat:
+        # At 1 bit SpeCache's quantizer (levels at the midpoints, digest §6 of SpeCache): plain
+        # KIVI's two levels are the group's min and max, which loses most keys' magnitude.
+        # Values are grouped by channels: a head narrower than the group is one value group.
+        return KiviFormat(bits=self.bits, group=self.group_size, head_dim=head_dim,
+                          value_group=math.gcd(self.group_size, head_dim), midpoint_one_bit=True)
 
     def top_k_for(self, prompt_len: int) -> int:
         """Prompt tokens selected per KV head for a prompt of this length."""
