@@ -126,7 +126,7 @@ class TailorKVMethod(MiniKVMethod):
         g = q.shape[1] // h
         q_crit = q.view(n, h, g, d).gather(
             3, channels.long().unsqueeze(2).expand(n, h, g, d_s)).reshape(n, h * g, d_s)
-        prompt_len = torch.tensor([r.prompt_len for r in reqs], device=device)
+        prompt_len = torch.tensor([r.prompt_len for r in reqs], dtype=torch.int32, device=device)
         own = torch.arange(d_s, dtype=torch.int32, device=device).expand(n, h, d_s)
         scores = ops.channel_scores(q_crit, keys_cm, own.contiguous(), key_start, prompt_len,
                                     s.sink, s.recent, int(prompt_len.max()))
@@ -178,8 +178,9 @@ class TailorKVMethod(MiniKVMethod):
                           torch.cat(ids), counts, fetched)
         fetched = fetched.to(channels.device)
         keys_cm = torch.cat([part.view(h, d_s, -1) for part in fetched.split(counts)], dim=2)
-        width = torch.tensor([n * CHANNEL_CHUNK for n in chunks], device=channels.device)
-        key_start = torch.cumsum(width, 0) - width
+        width = torch.tensor([n * CHANNEL_CHUNK for n in chunks], dtype=torch.int32,
+                             device=channels.device)
+        key_start = (torch.cumsum(width, 0) - width).to(torch.int32)
         for r, count in zip(reqs, counts):
             layer.stats(r.req_id).bytes_fetched += count * CHANNEL_CHUNK * self.shapes.elem_bytes
         return keys_cm, key_start
