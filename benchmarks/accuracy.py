@@ -17,7 +17,12 @@ With ``--specache``: SpeCache at its defaults (1-bit KIVI groups of 64, top-64 t
 fetched exact each step, prefetch "current"), at 2 bits, and plain 1-bit KIVI (``top_k`` 0:
 nothing fetched), the paper's Table 1 comparison.
 
-    VLLM_CPU_KVCACHE_SPACE=2 python benchmarks/accuracy.py [--shadowkv] [--minikv] [--specache] [--out DIR] [run.py options]
+With ``--tailorkv``: TailorKV-1 and TailorKV-2 with layer 0 quantized (Llama-3.x's set) and the
+paper's RULER budget scaled to the context: 8 sink + 120 recent tokens kept, top-k 896 of 128K
+(0.68 % of the prompt) selected on 12 critical channels each step; and the sink + recent control
+(a top-k of 1).
+
+    VLLM_CPU_KVCACHE_SPACE=2 python benchmarks/accuracy.py [--shadowkv] [--minikv] [--specache] [--tailorkv] [--out DIR] [run.py options]
 
 Any further option goes to ``python -m vllm_shadowkv.eval.run`` (later options win, e.g.
 ``--lengths 4096``, or ``--model``/``--tokenizer``/``--chat`` for a real model on a GPU machine).
@@ -39,15 +44,20 @@ MINIKV = {"minikv": {}, "recent@50%": {"heavy_ratio": 0.0, "recent_ratio": 0.5},
           "minikv@10%": {"heavy_ratio": 0.05, "recent_ratio": 0.05},
           "recent@10%": {"heavy_ratio": 0.0, "recent_ratio": 0.1}}
 SPECACHE = {"specache": {}, "specache-2bit": {"bits": 2}, "kivi-1bit": {"top_k": 0}}
+TAILORKV_SCALED = {"q_layers": [0], "top_k_ratio": round(896 / 131072, 4)}
+TAILORKV = {"tailorkv-1": TAILORKV_SCALED, "tailorkv-2": TAILORKV_SCALED | {"bits": 2},
+            "sink+recent": {"q_layers": [0], "top_k": 1}}
 ENGINE_ARGS = {"enable_prefix_caching": False}
-FLAGS = ("--shadowkv", "--minikv", "--specache")
+FLAGS = ("--shadowkv", "--minikv", "--specache", "--tailorkv")
 
 
-def backends(shadowkv: bool, minikv: bool, specache: bool = False) -> list[str]:
+def backends(shadowkv: bool, minikv: bool, specache: bool = False,
+             tailorkv: bool = False) -> list[str]:
     out = ["default"]
     if shadowkv:
         out += [f"shadowkv@{b}" for b in BUDGETS] + list(BASELINES)
-    for wanted, method, table in ((minikv, "minikv", MINIKV), (specache, "specache", SPECACHE)):
+    for wanted, method, table in ((minikv, "minikv", MINIKV), (specache, "specache", SPECACHE),
+                                  (tailorkv, "tailorkv", TAILORKV)):
         if wanted:
             out += [f"{label}={method}:" + json.dumps({**s, "min_sparse_len": 1024})
                     for label, s in table.items()]

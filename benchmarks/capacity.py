@@ -2,7 +2,7 @@
 
   VLLM_CPU_KVCACHE_SPACE=8 .venv/bin/python benchmarks/capacity.py
 
-For each backend (default, shadowkv, minikv, specache) and each request length L (32K, 64K, 128K) an engine is started on the
+For each backend (default, shadowkv, minikv, specache, tailorkv) and each request length L (32K, 64K, 128K) an engine is started on the
 llama8b-shape model (Llama-3.1-8B attention shapes: 32 q / 8 KV heads, head_dim 128) with
 ``max_model_len=L``, in a fresh process, in-process engine core (VLLM_ENABLE_V1_MULTIPROCESSING=0).
 No prompt is run: capacity is decided when the engine sizes its KV cache. Read from the engine
@@ -19,7 +19,9 @@ objects, not from log text:
 Method settings are each paper's defaults: shadowkv rank 160, chunk 8, budget 2048, 48 outlier
 chunks, local window 32; minikv its defaults (2-bit KIVI groups of 16, 25 % heavy hitters + 25 %
 recent window, pyramid layer budgets); specache its defaults (1-bit KIVI groups of 64, top-64
-slots per KV head). Writes benchmarks/capacity/capacity.json and capacity.png.
+slots per KV head); tailorkv its defaults with Llama-3.x's layer set (layer 0 quantized at 1 bit,
+the other an S-layer of 8 + 120 + 896 tokens; the llama8b-shape model has 2 layers, so half its
+layers are quantized against 1 of 32 in Llama-3.1-8B). Writes benchmarks/capacity/capacity.json and capacity.png.
 """
 
 from __future__ import annotations
@@ -40,8 +42,8 @@ OUT_DIR = Path(__file__).resolve().parent / "capacity"
 LENGTHS = (32768, 65536, 131072)
 PAPER_SETTINGS = {"shadowkv": {"rank": 160, "chunk_size": 8, "sparse_budget": 2048,
                                "outlier_chunks": 48, "local_window": 32},
-                  "minikv": {}, "specache": {}}
-BACKENDS = ("default", "shadowkv", "minikv", "specache")
+                  "minikv": {}, "specache": {}, "tailorkv": {"q_layers": [0]}}
+BACKENDS = ("default", "shadowkv", "minikv", "specache", "tailorkv")
 DESIGN_TARGET = 6.0  # the design contract: at least 6x the default's for long prompts (128K)
 
 
@@ -222,7 +224,7 @@ def _cpu_name() -> str:
 
 
 COLORS = {"default": "#888888", "shadowkv": "#1f77b4", "minikv": "#ff7f0e",
-          "specache": "#2ca02c"}
+          "specache": "#2ca02c", "tailorkv": "#d62728"}
 
 
 def plot(rows: list[dict], backends, meta: dict, path: Path) -> None:
