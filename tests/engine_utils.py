@@ -82,3 +82,28 @@ def assert_greedy_close(ref: list[dict], test: list[dict], names=("ref", "test")
             break  # past a near-tie the sequences legitimately diverge
         else:
             assert len(a["token_ids"]) == len(b["token_ids"]), f"prompt {i}: lengths differ"
+
+
+def fixture_model() -> str:
+    from vllm_shadowkv.eval.retrieval_model import FIXTURE
+
+    return str(FIXTURE)
+
+
+def run_on_fixture(tmp_path: Path, name: str, method: str, prompt: str, settings: dict,
+                   max_tokens: int) -> tuple[dict, dict]:
+    """One compressed request of ``prompt`` on the retrieval fixture with the in-engine fidelity
+    probe, ``max_tokens`` generated whatever the model's end token -> (result, its stats)."""
+    path = tmp_path / name
+    path.mkdir()
+    result = generate_in_fresh_process({
+        "model": fixture_model(), "attention_backend": method, "max_tokens": max_tokens,
+        "ignore_eos": True,  # the model ends its answer; the probe runs on every step
+        "batches": [[prompt]],
+        "engine_kwargs": {"max_model_len": 4096, "enable_prefix_caching": False,
+                          "additional_config": {method: settings | {
+                              "min_sparse_len": 1024, "measure_fidelity": True}}},
+    }, path)
+    (stats,) = result["stats"][0]["finished"].values()
+    assert stats["mode"] == "sparse" and len(result["batches"][0][0]["token_ids"]) == max_tokens
+    return result, stats

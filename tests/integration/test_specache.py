@@ -6,7 +6,7 @@ its job: closer to dense attention than the same 1-bit pages with nothing fetche
 lifecycle, capacity) run SpeCache too."""
 
 import pytest
-from engine_utils import generate_in_fresh_process
+from engine_utils import fixture_model, run_on_fixture
 
 pytestmark = pytest.mark.slow
 
@@ -14,19 +14,7 @@ MAX_TOKENS = 24
 
 
 def run(tmp_path, name, prompt, settings):
-    path = tmp_path / name
-    path.mkdir()
-    result = generate_in_fresh_process({
-        "model": _fixture(), "attention_backend": "specache", "max_tokens": MAX_TOKENS,
-        "ignore_eos": True,  # the model ends its answer; the probe runs on every step
-        "batches": [[prompt]],
-        "engine_kwargs": {"max_model_len": 4096, "enable_prefix_caching": False,
-                          "additional_config": {"specache": settings | {
-                              "min_sparse_len": 1024, "measure_fidelity": True}}},
-    }, path)
-    (stats,) = result["stats"][0]["finished"].values()
-    assert stats["mode"] == "sparse" and len(result["batches"][0][0]["token_ids"]) == MAX_TOKENS
-    return result, stats
+    return run_on_fixture(tmp_path, name, "specache", prompt, settings, MAX_TOKENS)
 
 
 def test_defaults_fetch_the_top_k_and_beat_plain_kivi(tmp_path):
@@ -34,7 +22,7 @@ def test_defaults_fetch_the_top_k_and_beat_plain_kivi(tmp_path):
 
     from vllm_shadowkv.eval import tasks
 
-    tokenizer = AutoTokenizer.from_pretrained(_fixture())
+    tokenizer = AutoTokenizer.from_pretrained(fixture_model())
     sample = tasks.generate("niah_single", tokenizer, 2048, depth=0.5, seed=1)
     prompt = sample.prompt + sample.answer_prefix
     result, stats = run(tmp_path, "specache", prompt, {})
@@ -56,9 +44,3 @@ def test_defaults_fetch_the_top_k_and_beat_plain_kivi(tmp_path):
     assert all(errors[layer] < plain[layer] for layer in errors)
     answer = tokenizer.decode(result["batches"][0][0]["token_ids"])
     assert tasks.score(sample, answer) == 1.0
-
-
-def _fixture() -> str:
-    from vllm_shadowkv.eval.retrieval_model import FIXTURE
-
-    return str(FIXTURE)

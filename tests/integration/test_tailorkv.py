@@ -10,27 +10,16 @@ lifecycle, capacity, the server) run TailorKV too."""
 import math
 
 import pytest
-from engine_utils import generate_in_fresh_process
+from engine_utils import fixture_model, run_on_fixture
 
 pytestmark = pytest.mark.slow
 
 MAX_TOKENS = 16
-SETTINGS = {"q_layers": [0], "top_k": 128, "min_sparse_len": 1024, "measure_fidelity": True}
+SETTINGS = {"q_layers": [0], "top_k": 128}
 
 
 def run(tmp_path, name, prompt, settings):
-    path = tmp_path / name
-    path.mkdir()
-    result = generate_in_fresh_process({
-        "model": _fixture(), "attention_backend": "tailorkv", "max_tokens": MAX_TOKENS,
-        "ignore_eos": True,  # the model ends its answer; the probe runs on every step
-        "batches": [[prompt]],
-        "engine_kwargs": {"max_model_len": 4096, "enable_prefix_caching": False,
-                          "additional_config": {"tailorkv": settings}},
-    }, path)
-    (stats,) = result["stats"][0]["finished"].values()
-    assert stats["mode"] == "sparse" and len(result["batches"][0][0]["token_ids"]) == MAX_TOKENS
-    return result, stats
+    return run_on_fixture(tmp_path, name, "tailorkv", prompt, settings, MAX_TOKENS)
 
 
 def test_critical_channel_top_k_finds_the_needle_and_beats_sink_and_recent(tmp_path):
@@ -38,7 +27,7 @@ def test_critical_channel_top_k_finds_the_needle_and_beats_sink_and_recent(tmp_p
 
     from vllm_shadowkv.eval import tasks
 
-    tokenizer = AutoTokenizer.from_pretrained(_fixture())
+    tokenizer = AutoTokenizer.from_pretrained(fixture_model())
     sample = tasks.generate("niah_single", tokenizer, 2048, depth=0.5, seed=1)
     prompt = sample.prompt + sample.answer_prefix
     result, stats = run(tmp_path, "tailorkv", prompt, SETTINGS)
@@ -63,9 +52,3 @@ def test_critical_channel_top_k_finds_the_needle_and_beats_sink_and_recent(tmp_p
     assert errors[1] < control[1] and errors[2] < control[2]
     answer = tokenizer.decode(result["batches"][0][0]["token_ids"])
     assert tasks.score(sample, answer) == 1.0
-
-
-def _fixture() -> str:
-    from vllm_shadowkv.eval.retrieval_model import FIXTURE
-
-    return str(FIXTURE)

@@ -6,6 +6,7 @@ issue's ``min_compress_len``): one threshold for every method, which the engine'
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -92,3 +93,21 @@ class MiniKVSettings(EngineSettings):
     def heavy_budgets(self, num_layers: int) -> list[float]:
         """Heavy-hitter share of the prompt per layer (their mean is heavy_ratio)."""
         return layer_budgets(num_layers, self.heavy_ratio, self.layer_policy)
+
+
+class EveryTokenQuantized:
+    """What MiniKV's pages read from the settings of a method that keeps every prompt token
+    KIVI-quantized (SpeCache; TailorKV's Q-layers), with ``bits`` and ``group_size`` fields: no
+    heavy-hitter budget, a recent window of the whole prompt, and the 1-bit quantizer that
+    does not collapse to min/max (SpeCache's midpoint levels, digest §6)."""
+
+    quantized: ClassVar[bool] = True
+    recent_ratio: ClassVar[float] = 1.0
+
+    def heavy_budgets(self, num_layers: int) -> list[float]:
+        return [0.0] * num_layers
+
+    def kivi_format(self, head_dim: int) -> KiviFormat:
+        # Values are grouped by channels: a head narrower than the group is one value group.
+        return KiviFormat(bits=self.bits, group=self.group_size, head_dim=head_dim,
+                          value_group=math.gcd(self.group_size, head_dim), midpoint_one_bit=True)

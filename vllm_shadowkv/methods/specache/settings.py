@@ -7,12 +7,11 @@ KIVI's group size serves keys (tokens per group, one scale and zero per channel)
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import ClassVar
 
-from vllm_shadowkv.core.kivi import KiviFormat
 from vllm_shadowkv.methods.base import EngineSettings, KVShapes, SettingsError, at_least
+from vllm_shadowkv.methods.minikv.settings import EveryTokenQuantized
 from vllm_shadowkv.methods.specache.guess import ACCEPTING_PROPOSER, PROPOSER
 
 BITS = (1, 2)
@@ -21,7 +20,7 @@ PREFETCH_MODES = ("current", "speculative")
 
 
 @dataclass(frozen=True)
-class SpeCacheSettings(EngineSettings):
+class SpeCacheSettings(EveryTokenQuantized, EngineSettings):
     method: ClassVar[str] = "specache"
 
     bits: int = 1
@@ -84,15 +83,3 @@ class SpeCacheSettings(EngineSettings):
                 f"specache.bits {self.bits} packs {per_word} codes per int32 along the channels, "
                 f"which must divide the head size ({d}); allowed here: "
                 f"{', '.join(str(b) for b in BITS if d % (32 // b) == 0) or 'none'}")
-
-    # What the shared quantized pages (methods/minikv/pages.py) read: every token is kept.
-    quantized: ClassVar[bool] = True
-    recent_ratio: ClassVar[float] = 1.0
-
-    def heavy_budgets(self, num_layers: int) -> list[float]:
-        return [0.0] * num_layers
-
-    def kivi_format(self, head_dim: int) -> KiviFormat:
-        # Values are grouped by channels: a head narrower than the group is one value group.
-        return KiviFormat(bits=self.bits, group=self.group_size, head_dim=head_dim,
-                          value_group=math.gcd(self.group_size, head_dim), midpoint_one_bit=True)

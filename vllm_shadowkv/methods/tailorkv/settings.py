@@ -12,8 +12,8 @@ import math
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
-from vllm_shadowkv.core.kivi import KiviFormat
 from vllm_shadowkv.methods.base import EngineSettings, KVShapes, SettingsError, at_least
+from vllm_shadowkv.methods.minikv.settings import EveryTokenQuantized
 from vllm_shadowkv.methods.tailorkv.layers import auto_q_layers
 
 AUTO = "auto"
@@ -23,7 +23,9 @@ CHANNEL_QUERIES = ("current", "predicted")
 
 
 @dataclass(frozen=True)
-class TailorKVSettings(EngineSettings):
+class TailorKVSettings(EveryTokenQuantized, EngineSettings):
+    """(Its Q-layers are MiniKV's pages with every token kept: ``EveryTokenQuantized``.)"""
+
     method: ClassVar[str] = "tailorkv"
 
     q_layers: tuple[int, ...] | str = AUTO
@@ -113,21 +115,6 @@ class TailorKVSettings(EngineSettings):
         if self.q_layers != AUTO:
             return self
         return replace(self, q_layers=auto_q_layers(model_config.hf_config, model_config.model))
-
-    # What the shared quantized pages (methods/minikv/pages.py) read; the Q-layers keep every
-    # token, the S-layers' pages are TailorKV's own (methods/tailorkv/pages.py).
-    quantized: ClassVar[bool] = True
-    recent_ratio: ClassVar[float] = 1.0
-
-    def heavy_budgets(self, num_layers: int) -> list[float]:
-        return [0.0] * num_layers
-
-    def kivi_format(self, head_dim: int) -> KiviFormat:
-        # At 1 bit SpeCache's quantizer (levels at the midpoints, digest §6 of SpeCache): plain
-        # KIVI's two levels are the group's min and max, which loses most keys' magnitude.
-        # Values are grouped by channels: a head narrower than the group is one value group.
-        return KiviFormat(bits=self.bits, group=self.group_size, head_dim=head_dim,
-                          value_group=math.gcd(self.group_size, head_dim), midpoint_one_bit=True)
 
     def top_k_for(self, prompt_len: int) -> int:
         """Prompt tokens selected per KV head for a prompt of this length."""
