@@ -109,6 +109,9 @@ class TailorKVMethod(MiniKVMethod):
             for k in [k for k in table if k[0] == req_id]:
                 del table[k]
 
+    def _selected(self, layer: int, req: RequestRows) -> int:
+        return 0  # counted by the fetch: the store rows in the slots (hit rate = slot hits)
+
     # -- S-layer selection ----------------------------------------------------------------------
     def _select(self, layer: LayerContext, reqs: list[RequestRows], k: int,
                 query: torch.Tensor) -> None:
