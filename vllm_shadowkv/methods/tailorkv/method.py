@@ -71,9 +71,7 @@ class TailorKVMethod(MiniKVMethod):
         if self.pages.quantized(layer.index):
             return super().finalize(layer, req, keys, values)
         prompt_len, key = req.prompt_len, (req.req_id, layer.index)
-        sink, recent = self.pages.local(prompt_len)
-        local = torch.cat([torch.arange(sink), torch.arange(prompt_len - recent, prompt_len)])
-        local = local.to(keys.device)
+        local = self.pages.local_positions(prompt_len).to(keys.device)
         plan = self.pages.upto(
             self._plan(layer, req, self.pages.shape(layer.index, prompt_len)), 0)
         rows = slice(0, len(local))
@@ -145,11 +143,8 @@ class TailorKVMethod(MiniKVMethod):
         for req, key, tokens in zip(reqs, keys, slots):
             self._slot_tokens[key] = tokens
             if self.settings.measure_fidelity:
-                sink, recent = self.pages.local(req.prompt_len)
-                local = torch.cat([torch.arange(sink),
-                                   torch.arange(req.prompt_len - recent, req.prompt_len)])
-                self._kept[key] = torch.cat([local.expand(h, -1),
-                                             tokens.clamp(min=0).long().cpu()], dim=1)
+                local = self.pages.local_positions(req.prompt_len).expand(h, -1)
+                self._kept[key] = torch.cat([local, tokens.clamp(min=0).long().cpu()], dim=1)
 
     def _channel_query(self, layer: LayerContext, rows: torch.Tensor,
                        q: torch.Tensor) -> torch.Tensor:

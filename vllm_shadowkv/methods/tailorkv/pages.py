@@ -28,6 +28,8 @@ from __future__ import annotations
 
 from functools import cached_property
 
+import torch
+
 from vllm_shadowkv.methods.base import KVShapes
 from vllm_shadowkv.methods.minikv.pages import LayerShape, MiniKVPages
 from vllm_shadowkv.methods.tailorkv.settings import TailorKVSettings
@@ -49,6 +51,11 @@ class TailorKVPages(MiniKVPages):
         """(sink, recent) tokens an S-layer keeps on its pages."""
         sink = min(self.settings.sink, prompt_len)
         return sink, min(self.settings.recent, prompt_len - sink)
+
+    def local_positions(self, prompt_len: int) -> torch.Tensor:
+        """Positions of the sink and recent tokens, in the order of an S-layer's first rows."""
+        sink, recent = self.local(prompt_len)
+        return torch.cat([torch.arange(sink), torch.arange(prompt_len - recent, prompt_len)])
 
     def top_k(self, prompt_len: int) -> int:
         """Slots per KV head of an S-layer: the selected tokens, at most the prompt's middle."""
