@@ -6,11 +6,11 @@ misbehaving. ``apply_all`` is idempotent (vLLM loads plugins several times per p
 """
 
 from vllm_shadowkv.patches import (cpu_backend_selection, guess_config, guess_row,
-                                   layer_kv_spec, model_runner_v1, runner_requests,
-                                   startup_validation)
+                                   layer_kv_spec, model_runner_v1, predicted_query,
+                                   runner_requests, startup_validation)
 
 PATCHES = (cpu_backend_selection, startup_validation, runner_requests, layer_kv_spec,
-           model_runner_v1, guess_row, guess_config)
+           model_runner_v1, guess_row, guess_config, predicted_query)
 
 
 class PatchTargetChanged(RuntimeError):
