@@ -51,3 +51,22 @@ def test_critical_channel_top_k_finds_the_needle_and_beats_sink_and_recent(tmp_p
     assert errors[1] < control[1] and errors[2] < control[2]
     answer = tokenizer.decode(result["batches"][0][0]["token_ids"])
     assert tasks.score(sample, answer) == 1.0
+
+
+def test_predicted_channel_query_finds_the_needle(tmp_path):
+    """The paper's channel choice: layer l's critical channels from its query projection of
+    layer l-1's hidden state (patches/predicted_query.py), the partial scores still with the
+    layer's own query."""
+    from transformers import AutoTokenizer
+
+    from vllm_shadowkv.eval import tasks
+
+    tokenizer = AutoTokenizer.from_pretrained(fixture_model())
+    sample = tasks.generate("niah_single", tokenizer, 2048, depth=0.5, seed=1)
+    result, stats = run(tmp_path, "predicted", sample.prompt + sample.answer_prefix,
+                        SETTINGS | {"channel_query": "predicted"})
+    errors = {int(layer): f["relative_error"] for layer, f in stats["fidelity"].items()}
+    print(f"\nrelative error vs dense per layer, predicted channels: {errors}")
+    assert stats["selected"] == (MAX_TOKENS - 1) * 2 * 2 * 128
+    assert errors[1] < 0.05 and errors[2] < 0.5
+    assert tasks.score(sample, tokenizer.decode(result["batches"][0][0]["token_ids"])) == 1.0

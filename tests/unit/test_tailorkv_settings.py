@@ -44,7 +44,6 @@ def test_q_layers_from_json_become_a_tuple():
     ({"critical_channels": 0}, "tailorkv.critical_channels must be >= 1"),
     ({"group_size": 48, "residual": 96}, "tailorkv.group_size must be one of 32, 64, got 48"),
     ({"channel_query": "next"}, "tailorkv.channel_query must be one of 'current', 'predicted'"),
-    ({"channel_query": "predicted"}, "tailorkv.channel_query 'predicted' is not available yet"),
     ({"kernels": "cuda"}, "tailorkv.kernels must be one of"),
 ])
 def test_check_names_the_key_and_the_allowed_values(changes, message):

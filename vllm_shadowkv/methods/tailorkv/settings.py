@@ -94,10 +94,7 @@ class TailorKVSettings(EveryTokenQuantized, EngineSettings):
             raise SettingsError(
                 f"tailorkv.channel_query must be one of "
                 f"{', '.join(map(repr, CHANNEL_QUERIES))}, got {self.channel_query!r}")
-        if self.channel_query == "predicted":  # issue #14: the model-level hook is not built
-            raise SettingsError("tailorkv.channel_query 'predicted' is not available yet (the "
-                                "next-layer query prediction needs a model hook that is not "
-                                "built); use 'current'")
+
 
     def check_engine(self, shapes: KVShapes) -> None:
         d = shapes.head_size
