@@ -72,6 +72,12 @@ def enable_if_asked(runner) -> None:
     stamp = stamp_of(runner.vllm_config)
     if (stamp is not None and stamp.method == "tailorkv"
             and stamp.settings.channel_query == "predicted"):
+        if runner.vllm_config.parallel_config.use_ubatching:
+            from vllm_shadowkv.methods.base import SettingsError
+
+            raise SettingsError("tailorkv.channel_query 'predicted' does not run with "
+                                "micro-batching (--enable-dbo, ubatch_size > 1): its rows are "
+                                "the whole step's; use 'current' or turn micro-batching off")
         enable(runner.get_model(), max_num_tokens=runner.max_num_tokens, dtype=runner.dtype)
 
 
@@ -125,9 +131,7 @@ def predicted(layer_index: int) -> torch.Tensor | None:
     if state is None or layer_index not in state.layer_names or not is_forward_context_available():
         return None
     metadata = get_forward_context().attn_metadata
-    if isinstance(metadata, list):
-        raise NotImplementedError("tailorkv.channel_query 'predicted' does not run with "
-                                  "micro-batching (its rows are the whole step's)")
+    assert not isinstance(metadata, list), "micro-batching is refused when the model loads"
     if isinstance(metadata, dict):
         metadata = metadata.get(state.layer_names[layer_index])
     if metadata is None:  # profiling run

@@ -206,7 +206,9 @@ def test_the_runner_enables_it_for_tailorkvs_predicted_query(method, channel_que
     if method:
         stamp = Stamp(method, TailorKVSettings(channel_query=channel_query), 1 << 30)
         additional[STAMP_KEY] = stamp.to_json()
-    runner = SimpleNamespace(vllm_config=SimpleNamespace(additional_config=additional),
+    config = SimpleNamespace(additional_config=additional,
+                             parallel_config=SimpleNamespace(use_ubatching=False))
+    runner = SimpleNamespace(vllm_config=config,
                              get_model=lambda: "the model", max_num_tokens=256,
                              dtype=torch.bfloat16)
     predicted_query.enable_if_asked(runner)

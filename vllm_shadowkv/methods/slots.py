@@ -28,7 +28,9 @@ def fetch_into_slots(layer: LayerContext, reqs: list[RequestRows], held: torch.T
     req, head, nth = filled.nonzero(as_tuple=True)  # request-major: gather_many's order
     dest = miss_slots[req, head, nth].long()
     tokens = slots[req, head, dest]
-    misses = miss_count.sum(dim=1).tolist()
+    # One host sync for both per-request counts.
+    wanted_count, misses = torch.stack([(wanted >= 0).sum(dim=(1, 2)),
+                                        miss_count.sum(dim=1)]).tolist()
     if req.numel():
         shapes = pages.shapes
         fetched = torch.empty(req.numel(), 2, shapes.head_size, dtype=shapes.dtype)
@@ -37,9 +39,9 @@ def fetch_into_slots(layer: LayerContext, reqs: list[RequestRows], held: torch.T
         fetched = fetched.to(wanted.device)
         pages.write_rows(layer.kv_cache, key_rows[req, head, dest], fetched[:, 0])
         pages.write_rows(layer.kv_cache, value_rows[req, head, dest], fetched[:, 1])
-    hits = ((wanted >= 0).sum(dim=(1, 2)) - miss_count.sum(dim=1)).tolist()
     row_bytes = 2 * pages.row_bytes
-    for r, hit, miss in zip(reqs, hits, misses):
+    for r, count, miss in zip(reqs, wanted_count, misses):
+        hit = count - miss
         stats = layer.stats(r.req_id)
         stats.selected += hit + miss  # the store rows attended from the slots
         stats.hits += hit
