@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU checks in one call, for a CUDA machine with torch and Triton (vLLM not needed): the
 # Triton kernels against their torch references, the CUDA decode path (pinned store, copy
-# stream) against the CPU's, and the decode-step benchmark at Llama-3.1-8B shapes.
+# stream) against the CPU's, SpeCache's deferred slot fetch on CUDA, and the decode-step
+# benchmark at Llama-3.1-8B shapes.
 # Results go to ${OUT:-gpu_results}/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -13,6 +14,7 @@ mkdir -p .gpu_pkg && rm -rf .gpu_pkg/vllm_shadowkv && cp -r vllm_shadowkv .gpu_p
 cp -r triton_kernels .gpu_pkg/vllm_shadowkv/triton_kernels
 python -m pytest -q -p no:cacheprovider --rootdir=. -c /dev/null tests/core \
     "tests/unit/test_pages.py::test_paged_sparse_decode_on_cuda_matches_cpu" \
+    "tests/unit/test_specache_pages.py::test_a_slot_fetch_completed_later_brings_the_wanted_rows" \
     2>&1 | tee "$OUT/gpu_tests.txt"
 python benchmarks/bench_decode_step.py --device cuda --out "$OUT/decode_step_cuda.json" \
     2>&1 | tee "$OUT/decode_step_cuda.txt"

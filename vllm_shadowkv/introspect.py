@@ -43,6 +43,7 @@ class EngineWorkerExtension:
 
         def row(stats):
             return asdict(stats) | {"hit_rate": stats.hit_rate,
+                                    "speculation_hit_rate": stats.speculation_hit_rate,
                                     "fidelity": stats.fidelity_means()}
 
         stores = STATE._stores.values()

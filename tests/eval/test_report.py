@@ -33,7 +33,7 @@ def test_summary_has_decode_accuracy_and_sparse_modes():
     single = [r for r in s["by_task"] if r["task"] == "niah_single"]
     assert all(r["decode_accuracy"] is None and r["decode_samples"] == 0 for r in single)
     assert s["by_length"] == [{"backend": "shadowkv@3%", "length": 4096, "requests": 2,
-                               "sparse": 2, "hit_rate": 0.375}]
+                               "sparse": 2, "hit_rate": 0.375, "speculation_hit_rate": None}]
 
 
 def test_markdown_tables():

@@ -10,11 +10,15 @@ from test_minikv_pages import (BATCH, LLAMA8B, World, assert_decode_is_dense,
                                batched_and_alone)
 
 from vllm_shadowkv.backend.layout import PageLayout
+from vllm_shadowkv.backend.worker_state import RequestStats
+from vllm_shadowkv.core import transfer
 from vllm_shadowkv.core.attention import attention_with_lse_reference
 from vllm_shadowkv.core.kivi import dequantize_groups, quantize_groups
 from vllm_shadowkv.core.store import InMemoryValueStore
-from vllm_shadowkv.methods.base import KVShapes, RequestRows
+from vllm_shadowkv.methods.base import KVShapes, LayerContext, RequestRows
+from vllm_shadowkv.methods.slots import plan_fetch
 from vllm_shadowkv.methods.specache import SpeCacheMethod, SpeCacheSettings
+from vllm_shadowkv.store import CpuValueStore
 
 
 def make_method(settings: SpeCacheSettings, h=2, d=64, block_size=16, num_layers=1,
@@ -168,8 +172,57 @@ def test_speculative_decode_attends_the_previous_guess_rows_top_k(bits):
         picked = top_k(world, "r", keys, gq)
     stats = world.stats["r"]
     fetched = stats.bytes_fetched // (2 * 64 * 4)
-    # Each step fetches the guess row's top-k; the first one the output row's before it too.
-    assert stats.hits + fetched == (gen + 1) * 2 * settings.top_k and 0 < fetched
+    # Each step fetches the guess row's top-k, written at the next step (the last step's is
+    # still on its way); the first step the output row's before it too.
+    assert stats.hits + fetched == gen * 2 * settings.top_k and 0 < fetched
+    assert method._pending[0]
+    method.release("r")
+    assert not method._pending
+
+
+def test_a_prefetch_never_writes_the_pages_of_a_released_request():
+    """Two requests prefetch for their next step; one finishes and its pages go to another
+    request before the next step: that step fills the live request's slots and leaves the
+    released request's pages as their new owner wrote them."""
+    settings = SpeCacheSettings(group_size=32, residual=32, top_k=8, prefetch="speculative",
+                                min_sparse_len=100)
+    method = make_method(settings, h=2, d=64)
+    world = make_world(method, {"a": (200, 4), "b": (260, 4)})
+    for r in ("a", "b"):
+        world.prefill(r, chunk=128)
+    g = torch.Generator().manual_seed(2)
+    lengths = {"a": 201, "b": 261}
+    guess_step(world, lengths, {r: random_guess(world, g) for r in lengths})
+    method.release("a")
+    pages = world.layout.region_ids(200, world.blocks["a"])
+    world.cache[pages] = 7.0  # the new owner's data
+    before = world.stats["a"].selected
+    guess_step(world, {"b": 262}, {"b": random_guess(world, g)})
+    assert torch.all(world.cache[pages] == 7.0)
+    assert world.stats["a"].selected == before
+    assert world.stats["b"].selected == 2 * 2 * settings.top_k  # its first step and the prefetch
+
+
+def test_speculation_hit_rate_counts_the_output_rows_own_top_k_among_the_prefetched():
+    """measure_fidelity: a guess equal to the next output row predicts its whole top-k; a
+    random guess predicts less."""
+    settings = SpeCacheSettings(group_size=32, residual=32, top_k=16, prefetch="speculative",
+                                min_sparse_len=100, measure_fidelity=True)
+    rates = []
+    for exact_guess in (True, False):
+        method = make_method(settings, h=2, d=64)
+        world = make_world(method, {"r": (300, 6)})
+        world.prefill("r", chunk=128)
+        g = torch.Generator().manual_seed(3)
+        for s in range(301, 306):
+            guess = random_guess(world, g)
+            if exact_guess:  # the next step's output row: same query, key and value
+                guess = (world.q["r"][s], world.k["r"][s], world.v["r"][s])
+            guess_step(world, {"r": s}, {"r": guess})
+        stats = world.stats["r"]
+        assert stats.speculated == 4 * 2 * settings.top_k  # every step after the first
+        rates.append(stats.speculation_hit_rate)
+    assert rates[0] == 1.0 and rates[1] < 1.0
 
 
 def test_the_guess_rows_kv_never_reaches_the_pages():
@@ -227,3 +280,50 @@ def test_release_drops_the_slots():
     assert method._slot_tokens.keys() == {("a", 0), ("b", 0)}
     method.release("a")
     assert method._slot_tokens.keys() == {("b", 0)}
+
+
+
+@pytest.mark.parametrize("device", [
+    "cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="needs CUDA (pinned store, copy streams)"))])
+def test_a_slot_fetch_completed_later_brings_the_wanted_rows(device):
+    """plan_fetch decides on the device without waiting (on CUDA its decision reaches the host
+    behind an event), complete() gathers from the (pinned) store and writes through the copy
+    stream: each wanted token is then in a slot, with its exact key and value when fetched."""
+    n, h, k, p, d = 3, 2, 8, 100, 64
+    method = make_method(SpeCacheSettings(top_k=k, min_sparse_len=64), h=h, d=d,
+                         dtype=torch.bfloat16)
+    g = torch.Generator().manual_seed(4)
+    rows = torch.randn(n, h, p, 2, d, generator=g).to(torch.bfloat16)
+    store = CpuValueStore(1 << 24, torch.bfloat16, (2, d), pin_memory=device == "cuda")
+    for i in range(n):
+        store.put((f"r{i}", 0), rows[i])
+    cache = torch.zeros(4 * n * h * k, d, dtype=torch.bfloat16, device=device)
+    key_rows, value_rows = torch.randperm(len(cache), generator=g)[:2 * n * h * k].view(
+        2, n, h, k).to(device)
+    held = torch.stack([torch.randperm(p, generator=g)[:k] for _ in range(n * h)])
+    held[0, :3] = -1  # empty slots
+    new = torch.randperm(p, generator=g)[:k // 2].expand(n * h, -1)  # some held already
+    wanted = torch.cat([held[:, :k // 2], new], dim=1)
+    wanted[1, -2:] = -1
+    held, wanted = (t.view(n, h, k).to(torch.int32) for t in (held, wanted))
+    stats = {f"r{i}": RequestStats() for i in range(n)}
+    layer = LayerContext(0, cache, None, None, store, None, d ** -0.5, stats.__getitem__, {})
+    reqs = [RequestRows(f"r{i}", p, p + 1, i, i + 1, torch.zeros(1)) for i in range(n)]
+
+    slots, fetch = plan_fetch(reqs, held.to(device), wanted.to(device), key_rows, value_rows)
+    fetch.complete(layer, method.pages)
+    if device == "cuda":
+        assert torch.device("cuda", torch.cuda.current_device()) in transfer._copy_streams
+    slots, pool, key_rows, value_rows = slots.cpu(), cache.cpu(), key_rows.cpu(), value_rows.cpu()
+    fetched = 0
+    for (i, j, s), token in zip(torch.cartesian_prod(*map(torch.arange, (n, h, k))).tolist(),
+                                slots.flatten().tolist()):
+        if token >= 0 and token not in held[i, j].tolist():
+            fetched += 1
+            assert torch.equal(pool[key_rows[i, j, s]], rows[i, j, token, 0])
+            assert torch.equal(pool[value_rows[i, j, s]], rows[i, j, token, 1])
+    for i, j in torch.cartesian_prod(torch.arange(n), torch.arange(h)).tolist():
+        assert set(wanted[i, j].tolist()) - {-1} <= set(slots[i, j].tolist())
+    assert sum(s.bytes_fetched for s in stats.values()) == fetched * 2 * d * 2
+    assert sum(s.selected for s in stats.values()) == int((wanted >= 0).sum())

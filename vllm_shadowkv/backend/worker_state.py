@@ -54,12 +54,20 @@ class RequestStats:
     selected: int = 0  # selected store rows (ShadowKV: chunks), over KV heads and layers
     hits: int = 0  # of which resident from the previous step
     bytes_fetched: int = 0  # moved from the host store
+    # SpeCache's speculative prefetch with measure_fidelity: the top-k tokens the output rows
+    # would have picked themselves, and of those, the ones the previous guess row fetched
+    speculated: int = 0
+    speculation_hits: int = 0
     # measure_fidelity only: layer -> [sum of relative errors, sum of chunk recalls, steps]
     fidelity: dict[int, list[float]] = field(default_factory=dict)
 
     @property
     def hit_rate(self) -> float:
         return self.hits / self.selected if self.selected else 0.0
+
+    @property
+    def speculation_hit_rate(self) -> float:
+        return self.speculation_hits / self.speculated if self.speculated else 0.0
 
     def record_fidelity(self, layer: int, relative_error: float, chunk_recall: float) -> None:
         sums = self.fidelity.setdefault(layer, [0.0, 0.0, 0])

@@ -1,4 +1,5 @@
-"""Host-to-device copies of fetched values on a dedicated stream, overlapping the key rebuild.
+"""Host-to-device copies of fetched values on a dedicated stream, overlapping the key rebuild,
+and device-to-host copies of small index tensors that are read later (``to_host_async``).
 
 The decode step queues the key rebuild on the compute stream first, then gathers the missed
 value rows on the host (into pinned memory) and copies them on the copy stream; the compute
@@ -33,3 +34,25 @@ def to_device_async(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     compute.wait_stream(stream)
     out.record_stream(compute)  # allocated on the copy stream, consumed on the compute stream
     return out
+
+
+class HostCopy:
+    """Tensors copied to the host without waiting: on CUDA into pinned memory behind an event
+    (``wait`` blocks only if the copy is not done yet), elsewhere at once."""
+
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        self._ready = None
+        if tensors and tensors[0].is_cuda:
+            self.tensors = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+            for host, t in zip(self.tensors, tensors):
+                host.copy_(t, non_blocking=True)
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+        else:
+            self.tensors = [t.cpu() for t in tensors]
+
+    def wait(self) -> list[torch.Tensor]:
+        if self._ready is not None:
+            self._ready.synchronize()
+            self._ready = None
+        return self.tensors

@@ -37,7 +37,9 @@ def summarize(records: list[dict]) -> dict:
                      for (b, d, n), s in sorted(by_depth.items())],
         "by_length": [{"backend": b, "length": n, "requests": len(rs),
                        "sparse": sum(r["mode"] == "sparse" for r in rs),
-                       "hit_rate": _avg([r["hit_rate"] for r in rs if r["mode"] == "sparse"])}
+                       "hit_rate": _avg([r["hit_rate"] for r in rs if r["mode"] == "sparse"]),
+                       "speculation_hit_rate": _avg([r.get("speculation_hit_rate")
+                                                     for r in rs if r["mode"] == "sparse"])}
                       for (b, n), rs in sorted(modes.items())],
     }
 
@@ -90,6 +92,8 @@ def markdown(summary: dict, backends: list[str], engines: list[dict] | None = No
             for j, n in enumerate(ns):
                 m = modes.get((e["backend"], n))
                 hit = f"{m['hit_rate']:.2f}" if m and m["hit_rate"] is not None else ""
+                if m and m.get("speculation_hit_rate") is not None:  # SpeCache's guess rows
+                    hit += f" (guessed {m['speculation_hit_rate']:.2f})"
                 sparse = f"{m['sparse']}/{m['requests']}" if m else ""
                 settings = e["settings"]
                 lines.append(

@@ -233,6 +233,9 @@ def main(argv: list[str] | None = None) -> dict:
                 rows[-1].update({"mode": stats["mode"] if stats else None,
                                  "expected_sparse": expected_sparse(engine_spec, len(prompts[i])),
                                  "hit_rate": stats["hit_rate"] if stats else None,
+                                 "speculation_hit_rate": (stats["speculation_hit_rate"]
+                                                          if stats and stats.get("speculated")
+                                                          else None),
                                  "decode_steps": stats["decode_steps"] if stats else None})
         records += rows
         engine_rows.append({"backend": spec.label,

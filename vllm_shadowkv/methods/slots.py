@@ -5,45 +5,85 @@ Each (request, KV head) owns ``k`` slot rows of keys and values in its pages. A 
 ``k`` prompt tokens there; those already resident stay in place (hits), the others are gathered
 from the layer's host store, rows ``[2, head_dim]`` (key, value) of one token of one KV head put
 as ``[h_kv, prompt_len, 2, head_dim]`` under (request, layer), and written into the slots the
-step no longer needs (``core.select.assign_slots``: ShadowKV's hit-cache policy)."""
+step no longer needs (``core.select.assign_slots``: ShadowKV's hit-cache policy).
+
+A fetch has two halves. ``plan_fetch`` decides on the device which slot gets which token and
+starts copying that decision to the host, without waiting; ``SlotFetch.complete`` gathers the
+rows on the host and writes them into the slots (on CUDA through the copy stream). A prefetch
+for the next step (SpeCache's speculative mode) completes at that step, so on CUDA the decision
+reaches the host while the rest of the step computes, and the rows' copy overlaps the layers
+before this one."""
 
 from __future__ import annotations
 
 import torch
 
+from vllm_shadowkv.core import transfer
 from vllm_shadowkv.core.select import assign_slots
 from vllm_shadowkv.methods.base import LayerContext, RequestRows
+
+
+class SlotFetch:
+    """Store rows decided for the slots of ``reqs`` and not yet in them."""
+
+    def __init__(self, reqs: list[RequestRows], wanted: torch.Tensor, slots: torch.Tensor,
+                 miss_slots: torch.Tensor, miss_count: torch.Tensor, key_rows: torch.Tensor,
+                 value_rows: torch.Tensor) -> None:
+        self.req_ids = [r.req_id for r in reqs]
+        self.dropped: set[str] = set()  # released before completion: their pages may be reused
+        self._rows = (key_rows, value_rows)
+        self._host = transfer.HostCopy([(wanted >= 0).sum(dim=(1, 2)), miss_count, miss_slots,
+                                        slots])
+
+    def drop(self, req_id: str) -> None:
+        self.dropped.add(req_id)
+
+    def complete(self, layer: LayerContext, pages) -> None:
+        """Gather the missed rows from ``layer``'s store into the slots of ``pages``
+        (``MiniKVPages``) and count each live request's hits, fetched rows and bytes."""
+        wanted_count, miss_count, miss_slots, slots = self._host.wait()
+        live = torch.tensor([r not in self.dropped for r in self.req_ids])
+        k = slots.shape[-1]
+        filled = (torch.arange(k) < miss_count.unsqueeze(-1)) & live.view(-1, 1, 1)
+        req, head, nth = filled.nonzero(as_tuple=True)  # request-major: gather_many's order
+        dest = miss_slots[req, head, nth].long()
+        misses = (miss_count * live.view(-1, 1)).sum(dim=1).tolist()
+        if req.numel():
+            shapes, device = pages.shapes, layer.kv_cache.device
+            staging = torch.empty(req.numel(), 2, shapes.head_size, dtype=shapes.dtype,
+                                  pin_memory=layer.kv_cache.is_cuda)
+            layer.store.gather_many([(r, layer.index) for r in self.req_ids], head,
+                                    slots[req, head, dest], misses, staging)
+            fetched = transfer.to_device_async(staging, device)
+            at = transfer.to_device_async(torch.stack([req, head, dest]), device).unbind()
+            key_rows, value_rows = self._rows
+            pages.write_rows(layer.kv_cache, key_rows[at], fetched[:, 0])
+            pages.write_rows(layer.kv_cache, value_rows[at], fetched[:, 1])
+        row_bytes = 2 * pages.row_bytes
+        for req_id, count, miss, alive in zip(self.req_ids, wanted_count.tolist(), misses,
+                                              live.tolist()):
+            if alive:
+                stats = layer.stats(req_id)
+                stats.selected += count  # the store rows attended from the slots
+                stats.hits += count - miss
+                stats.bytes_fetched += miss * row_bytes
+
+
+def plan_fetch(reqs: list[RequestRows], held: torch.Tensor, wanted: torch.Tensor,
+               key_rows: torch.Tensor, value_rows: torch.Tensor
+               ) -> tuple[torch.Tensor, SlotFetch]:
+    """Which of the ``wanted`` ``[n, h, k]`` tokens (-1: none) go where in the slots holding
+    ``held`` (same shape, -1: empty), whose rows in the pages are ``key_rows``/``value_rows``
+    ``[n, h, k]``. Returns the slots' new tokens ``[n, h, k]`` int32 (on the device, no host
+    sync) and the fetch that brings the missing rows."""
+    slots, miss_slots, miss_count = assign_slots(held, wanted)
+    return slots, SlotFetch(reqs, wanted, slots, miss_slots, miss_count, key_rows, value_rows)
 
 
 def fetch_into_slots(layer: LayerContext, reqs: list[RequestRows], held: torch.Tensor,
                      wanted: torch.Tensor, key_rows: torch.Tensor, value_rows: torch.Tensor,
                      pages) -> torch.Tensor:
-    """Bring ``wanted`` ``[n, h, k]`` tokens (-1: none) into the slots holding ``held`` (same
-    shape, -1: empty) whose rows in ``pages`` (``MiniKVPages``) are ``key_rows``/``value_rows``
-    ``[n, h, k]``. Counts each request's hits, fetched rows and bytes in its stats. Returns the
-    slots' new tokens ``[n, h, k]`` int32."""
-    n, h, k = wanted.shape
-    slots, miss_slots, miss_count = assign_slots(held, wanted)
-    filled = torch.arange(k, device=wanted.device) < miss_count.unsqueeze(-1)
-    req, head, nth = filled.nonzero(as_tuple=True)  # request-major: gather_many's order
-    dest = miss_slots[req, head, nth].long()
-    tokens = slots[req, head, dest]
-    # One host sync for both per-request counts.
-    wanted_count, misses = torch.stack([(wanted >= 0).sum(dim=(1, 2)),
-                                        miss_count.sum(dim=1)]).tolist()
-    if req.numel():
-        shapes = pages.shapes
-        fetched = torch.empty(req.numel(), 2, shapes.head_size, dtype=shapes.dtype)
-        layer.store.gather_many([(r.req_id, layer.index) for r in reqs], head.cpu(),
-                                tokens.cpu(), misses, fetched)
-        fetched = fetched.to(wanted.device)
-        pages.write_rows(layer.kv_cache, key_rows[req, head, dest], fetched[:, 0])
-        pages.write_rows(layer.kv_cache, value_rows[req, head, dest], fetched[:, 1])
-    row_bytes = 2 * pages.row_bytes
-    for r, count, miss in zip(reqs, wanted_count, misses):
-        hit = count - miss
-        stats = layer.stats(r.req_id)
-        stats.selected += hit + miss  # the store rows attended from the slots
-        stats.hits += hit
-        stats.bytes_fetched += miss * row_bytes
+    """``plan_fetch`` and its completion at once: the slots' new tokens ``[n, h, k]``."""
+    slots, fetch = plan_fetch(reqs, held, wanted, key_rows, value_rows)
+    fetch.complete(layer, pages)
     return slots

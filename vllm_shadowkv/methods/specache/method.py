@@ -5,7 +5,10 @@ those that missed the previous step's slots, and attends them exactly in place o
 copies (``prefetch: "current"``, the paper's non-speculative mode). With ``prefetch:
 "speculative"`` each decode step also carries a guess of the next token (methods/README.md,
 "SpeCache's second query row"): the output row attends the slots the previous step's guess row
-picked, with no fetch before it, and the guess row's top-k is fetched for the next step.
+picked, with no fetch before it, and the guess row's top-k is fetched for the next step: decided
+now, gathered and written when the next step reaches the layer (``methods/slots.py``), so on
+CUDA the decision's copy to the host overlaps the rest of this step and the rows' copy the
+next step's earlier layers.
 
 The pages are MiniKV's with every token kept and ``top_k`` exact rows per KV head for the slots,
 and the decode step is MiniKV's (16-bit tail and generated-token ring exact, the quantized
@@ -23,7 +26,7 @@ from vllm_shadowkv.core.attention import merge_attention
 from vllm_shadowkv.methods.base import KVShapes, LayerContext, RequestRows
 from vllm_shadowkv.methods.minikv.method import MiniKVMethod
 from vllm_shadowkv.methods.minikv.pages import BatchPlan, MiniKVPages, RequestPlan
-from vllm_shadowkv.methods.slots import fetch_into_slots
+from vllm_shadowkv.methods.slots import SlotFetch, plan_fetch
 from vllm_shadowkv.methods.specache.settings import SpeCacheSettings
 from vllm_shadowkv.store import paged_bytes
 
@@ -43,6 +46,8 @@ class SpeCacheMethod(MiniKVMethod):
         self._slot_tokens: dict[tuple[str, int], torch.Tensor] = {}
         # (request, layer) whose slots a guess row picked for the request's next step.
         self._ahead: set[tuple[str, int]] = set()
+        # Per layer, the guess rows' fetches whose rows are not in the slots yet.
+        self._pending: dict[int, list[SlotFetch]] = {}
 
     @classmethod
     def covering_settings(cls, key_width: int, context_len: int) -> dict:
@@ -85,6 +90,14 @@ class SpeCacheMethod(MiniKVMethod):
         for key in [k for k in self._slot_tokens if k[0] == req_id]:
             del self._slot_tokens[key]
             self._ahead.discard(key)
+        for layer, fetches in list(self._pending.items()):
+            for fetch in fetches:
+                fetch.drop(req_id)
+            fetches = [f for f in fetches if set(f.req_ids) - f.dropped]
+            if fetches:
+                self._pending[layer] = fetches
+            else:
+                del self._pending[layer]
 
     # -- decode ---------------------------------------------------------------------------------
     def _selected(self, layer: int, req: RequestRows) -> int:
@@ -108,12 +121,19 @@ class SpeCacheMethod(MiniKVMethod):
         per_head = q.view(n, s_q, h, g, d).transpose(1, 2).reshape(n * h, s_q, g, d)
         pool = self.pages.unit_pool(layer.kv_cache)
         keys = [(r.req_id, layer.index) for r in reqs]
+        for fetch in self._pending.pop(layer.index, []):  # the rows picked ahead
+            fetch.complete(layer, self.pages)
         ahead = self.settings.prefetch == "speculative" and guess > 0
         now = [i for i, key in enumerate(keys) if not (ahead and key in self._ahead)]
-        if now:
+        measure = self.settings.measure_fidelity and ahead and len(now) < n
+        if now or measure:
             wanted = self._wanted(pool, layer, reqs, per_head, lse_exact, batch, s_q - 1 - guess)
+        if measure:  # before ``now`` fills its slots: what the guess rows picked ahead
+            self._record_speculation(layer, reqs, keys, wanted.view(n, h, -1))
+        if now:
             self._fetch(layer, [reqs[i] for i in now], [plans[i] for i in now],
-                        wanted.view(n, -1)[now].view(-1, self.settings.top_k))
+                        wanted.view(n, -1)[now].view(-1, self.settings.top_k)).complete(
+                            layer, self.pages)
         slots = torch.cat([self._slot_tokens[key] for key in keys])  # [n * h, k]
         slot_k, slot_v = self._slot_kv(layer, plans)
         out_q, lse_q = mixed_attention.mixed_attention(
@@ -122,9 +142,10 @@ class SpeCacheMethod(MiniKVMethod):
         out_q = out_q.view(n, h, s_q, g, d).transpose(1, 2).reshape(n, s_q, hq, d)
         lse_q = lse_q.view(n, h, s_q, g).transpose(1, 2).reshape(n, s_q, hq)
         out, _ = merge_attention([out_exact, out_q], [lse_exact, lse_q])
-        if ahead:  # the next step's slots, from the guess row
-            self._fetch(layer, reqs, plans,
-                        self._wanted(pool, layer, reqs, per_head, lse_exact, batch, s_q - 1))
+        if ahead:  # the next step's slots, from the guess row, completed at that step
+            self._pending.setdefault(layer.index, []).append(self._fetch(
+                layer, reqs, plans,
+                self._wanted(pool, layer, reqs, per_head, lse_exact, batch, s_q - 1)))
             self._ahead.update(keys)
         else:
             self._ahead.difference_update(keys)
@@ -155,17 +176,35 @@ class SpeCacheMethod(MiniKVMethod):
                                             other_lse, 1, self.settings.top_k).view(n * h, -1)
 
     def _fetch(self, layer: LayerContext, reqs: list[RequestRows], plans: list[RequestPlan],
-               wanted: torch.Tensor) -> None:
-        """Bring the ``wanted`` tokens ``[n * h, k]`` (-1: none) into the slots
-        (``methods/slots.py``: those already there stay, the others are fetched)."""
+               wanted: torch.Tensor) -> SlotFetch:
+        """Assign the ``wanted`` tokens ``[n * h, k]`` (-1: none) to the slots
+        (``methods/slots.py``: those already there stay, the others are to be fetched by the
+        returned fetch, before the slots are next read)."""
         n, h, k = len(reqs), self.shapes.num_kv_heads, self.settings.top_k
         empty = torch.full((h, k), -1, dtype=torch.int32, device=wanted.device)
         held = torch.stack([self._slot_tokens.get((r.req_id, layer.index), empty) for r in reqs])
         key_rows, value_rows = self._slot_rows(plans)
-        slots = fetch_into_slots(layer, reqs, held, wanted.view(n, h, k), key_rows.view(n, h, k),
-                                 value_rows.view(n, h, k), self.pages)
+        slots, fetch = plan_fetch(reqs, held, wanted.view(n, h, k), key_rows.view(n, h, k),
+                                  value_rows.view(n, h, k))
         for r, tokens in zip(reqs, slots):
             self._slot_tokens[(r.req_id, layer.index)] = tokens
+        return fetch
+
+    def _record_speculation(self, layer: LayerContext, reqs: list[RequestRows], keys,
+                            own: torch.Tensor) -> None:
+        """measure_fidelity: of the top-k the output row would pick itself (``own`` ``[n, h,
+        k]``, -1: none), how many the previous step's guess row put in the slots."""
+        counts = []
+        for i, key in enumerate(keys):
+            if key in self._ahead:
+                mine = own[i]
+                hits = (mine.unsqueeze(-1) == self._slot_tokens[key].unsqueeze(-2)).any(-1)
+                counts.append((i, torch.stack([(mine >= 0).sum(), (hits & (mine >= 0)).sum()])))
+        totals = torch.stack([c for _, c in counts]).tolist()
+        for (i, _), (wanted, hits) in zip(counts, totals):
+            stats = layer.stats(reqs[i].req_id)
+            stats.speculated += wanted
+            stats.speculation_hits += hits
 
     def _slot_kv(self, layer: LayerContext, plans: list[RequestPlan]):
         """The slots' exact K/V ``[n * h, 1, k, d]`` each, read from the pages."""
