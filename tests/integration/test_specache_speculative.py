@@ -1,7 +1,9 @@
-"""SpeCache's speculative prefetch in a real vLLM engine (CPU, fresh processes, tiny local
-model): the plugin sets up the guess row (vLLM's speculative decoding, no --speculative-config
-given), every decode step schedules it and none is accepted, the long request decodes
-compressed; with covering settings the tokens are the default backend's."""
+"""SpeCache's two prefetch modes in a real vLLM engine (CPU, fresh processes, tiny local
+model). Speculative (the default): the plugin sets up the guess row (vLLM's speculative
+decoding, no --speculative-config given), every decode step schedules it and none is accepted,
+the long request decodes compressed. Current: no guess row, and with covering settings the
+tokens are the default backend's (the method table's exactness tests cover the speculative
+mode)."""
 
 import pytest
 from engine_utils import PROMPTS, assert_greedy_close, generate_in_fresh_process
@@ -42,21 +44,25 @@ def assert_guess_rows_ran(result):
     assert sparse["decode_steps"] > 0 and sparse["hits"] > 0
 
 
-def test_covering_settings_equal_the_default_backend(tiny_model, tmp_path):
+def test_current_mode_with_covering_settings_equals_the_default_backend(tiny_model, tmp_path):
+    """The non-speculative mode (the method table's engine tests run the default, speculative):
+    one row per step, no guess scheduled, the tokens of the default backend."""
     ref = generate_in_fresh_process({**COMMON, "model": tiny_model, "attention_backend": None},
                                     _dir(tmp_path, "ref"))
     settings = SpeCacheMethod.covering_settings(256, 4096) | {"min_sparse_len": 2048,
-                                                              "prefetch": "speculative"}
+                                                              "prefetch": "current"}
     test = run_specache(tiny_model, settings, _dir(tmp_path, "specache"))
     assert_greedy_close(ref["batches"][0], test["batches"][0], names=("default", "specache"))
-    assert_guess_rows_ran(test)
+    assert not test["spec_decode"].get("vllm:spec_decode_num_drafts")
+    (sparse,) = [s for s in {**test["stats"][0]["finished"], **test["stats"][0]["requests"]}
+                 .values() if s["mode"] == "sparse"]
+    assert sparse["decode_steps"] > 0
 
 
 def test_defaults_run_the_guess_row(tiny_model, tmp_path):
     """The defaults (1 bit, group 64, top 64 of a 3K prompt, generated tokens folded every
-    64) with the speculative prefetch; the threshold lowered to the tiny model's prompts."""
-    assert_guess_rows_ran(run_specache(tiny_model, {"min_sparse_len": 2048,
-                                                    "prefetch": "speculative"}, tmp_path))
+    64, the speculative prefetch); the threshold lowered to the tiny model's prompts."""
+    assert_guess_rows_ran(run_specache(tiny_model, {"min_sparse_len": 2048}, tmp_path))
 
 
 def _dir(tmp_path, name):

@@ -35,13 +35,13 @@ class SpeCacheSettings(EveryTokenQuantized, EngineSettings):
     top_k: int = 64
     """Tokens per KV head and layer whose exact 16-bit K/V are fetched from the CPU store and
     attended in place of their low-bit copies; 0: plain KIVI, nothing fetched."""
-    prefetch: str = "current"
-    """"current": the output token's own attention over the low-bit keys picks the top-k, which
-    are fetched, then attention again (no overlap); "speculative" (the paper's; not the default
-    until every engine suite has run with it): each decode step also runs the model's guess
-    of the next token (vLLM's speculative decoding with one token, set up at start-up), whose
-    attention picks the next step's top-k, fetched after the step's attention; the output row
-    attends those picked the step before."""
+    prefetch: str = "speculative"
+    """"speculative" (the paper's): each decode step also runs the model's guess of the next
+    token (vLLM's speculative decoding with one token, set up at start-up), whose attention
+    picks the next step's top-k, fetched for the next step (on CUDA off the critical path); the
+    output row attends those picked the step before. "current" (the paper's non-speculative
+    comparison): the output token's own attention over the low-bit keys picks the top-k, which
+    are fetched, then attention again, in line; one query row per step."""
     accept_guess: bool = False
     """Speculative only: vLLM's own verification, which emits the guess row's token too when
     the output row's token equals the guess (two tokens that step). Its K/V are then written
@@ -70,8 +70,8 @@ class SpeCacheSettings(EveryTokenQuantized, EngineSettings):
                                 f"no guess with prefetch {self.prefetch!r})")
 
     def speculative_config(self) -> dict | None:
-        if self.prefetch != "speculative":
-            return None
+        if self.prefetch != "speculative" or not self.top_k:
+            return None  # no guess row: nothing to prefetch
         return {"method": "custom_class",
                 "model": ACCEPTING_PROPOSER if self.accept_guess else PROPOSER,
                 "num_speculative_tokens": 1}
