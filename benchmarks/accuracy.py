@@ -15,7 +15,8 @@ tighter 10 % of the prompt (heavy 5 % + recent 5 % vs recent 10 %), every prompt
 
 With ``--specache``: SpeCache at its defaults (1-bit KIVI groups of 64, top-64 tokens per KV head
 exact each step, picked ahead by the guess row: prefetch "speculative"), the same with prefetch
-"current" (the output row picks its own), both again at 2 bits, and plain 1-bit and 2-bit KIVI
+"current" (the output row picks its own) and with ``accept_guess`` (a confirmed guess emitted
+too), the first two again at 2 bits, and plain 1-bit and 2-bit KIVI
 (``top_k`` 0: nothing fetched), the paper's Table 1 comparison; every SpeCache engine measures
 its fidelity and speculation hit rate (``measure_fidelity``).
 
@@ -46,7 +47,9 @@ MINIKV = {"minikv": {}, "recent@50%": {"heavy_ratio": 0.0, "recent_ratio": 0.5},
           "minikv@10%": {"heavy_ratio": 0.05, "recent_ratio": 0.05},
           "recent@10%": {"heavy_ratio": 0.0, "recent_ratio": 0.1}}
 SPECACHE = {"specache": {}, "specache-current": {"prefetch": "current"},
-            "specache-2bit": {"bits": 2}, "specache-2bit-current": {"bits": 2, "prefetch": "current"},
+            "specache-accept": {"accept_guess": True},
+            "specache-2bit": {"bits": 2},
+            "specache-2bit-current": {"bits": 2, "prefetch": "current"},
             "kivi-1bit": {"top_k": 0}, "kivi-2bit": {"bits": 2, "top_k": 0}}
 SPECACHE = {label: s | {"measure_fidelity": True} for label, s in SPECACHE.items()}
 TAILORKV_SCALED = {"q_layers": [0], "top_k_ratio": round(896 / 131072, 4)}

@@ -81,6 +81,21 @@ def enable_if_asked(runner) -> None:
         enable(runner.get_model(), max_num_tokens=runner.max_num_tokens, dtype=runner.dtype)
 
 
+def check_model_class(model_cls: type, architecture: str) -> None:
+    """The front end's check, before anything loads: the model is vLLM's Llama or built on it
+    (Llama, Mistral, Phi-3, ...). ``enable`` checks the attention layers themselves when the
+    model loads (a Llama subclass may bring attention of its own, as Llama 4 does)."""
+    from vllm.model_executor.models.llama import LlamaForCausalLM
+
+    if not issubclass(model_cls, LlamaForCausalLM):
+        from vllm_shadowkv.methods.base import SettingsError
+
+        raise SettingsError(
+            f"tailorkv.channel_query 'predicted' needs a Llama-family model (vLLM's "
+            f"LlamaForCausalLM or a model built on it: Llama, Mistral, ...); {architecture} is "
+            f"{model_cls.__name__}. Use tailorkv.channel_query 'current'")
+
+
 def enable(model: torch.nn.Module, *, max_num_tokens: int, dtype: torch.dtype) -> None:
     """Predict the query of every LlamaAttention layer from its predecessor's input (layers
     whose predecessor is on this rank and is one too). Refuses any other attention."""

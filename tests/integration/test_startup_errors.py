@@ -197,3 +197,18 @@ def test_unsupported_model_fails_at_startup(tiny_model, tmp_path, kind):
     with pytest.raises(ValueError) as err:
         engine_config(str(model))
     assert message in str(err.value)
+
+
+def test_tailorkvs_predicted_query_needs_a_llama_family_model(tiny_model, tmp_path):
+    """Refused in the front end, before any weights load (the load checks the layers again)."""
+    predicted = {"tailorkv": {"channel_query": "predicted", "q_layers": [0]}}
+    config = engine_config(tiny_model, "tailorkv", additional_config=predicted)
+    assert config.additional_config[STAMP_KEY]["settings"]["channel_query"] == "predicted"
+    model = tmp_path / "qwen2"
+    shutil.copytree(tiny_model, model, ignore=shutil.ignore_patterns("*.safetensors", "config.json"))
+    (model / "config.json").write_text(json.dumps(
+        {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "rope_theta": 10000.0,
+         **LLAMA}))
+    with pytest.raises(ValueError, match=r"channel_query 'predicted' needs a Llama-family model "
+                                         r".*Qwen2ForCausalLM is Qwen2ForCausalLM"):
+        engine_config(str(model), "tailorkv", additional_config=predicted)

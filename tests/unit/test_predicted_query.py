@@ -267,3 +267,18 @@ def test_compiled_the_prediction_is_written_before_the_attention_op(model):
         want = _own_query(model, seen, layer, positions, inputs[layer - 1])
         torch.testing.assert_close(step[layer - 1][layer], want)
         torch.testing.assert_close(step[layer][layer], want)
+
+
+def test_the_front_end_refuses_a_model_not_built_on_vllms_llama():
+    """Before anything loads: vLLM's Llama and the models built on it pass (their attention
+    layers are checked again when the model loads); Qwen2 is refused, naming the way out."""
+    from vllm.model_executor.models.llama import LlamaForCausalLM
+    from vllm.model_executor.models.mistral import MistralForCausalLM
+    from vllm.model_executor.models.qwen2 import Qwen2ForCausalLM
+
+    predicted_query.check_model_class(LlamaForCausalLM, "LlamaForCausalLM")
+    predicted_query.check_model_class(MistralForCausalLM, "MistralForCausalLM")
+    with pytest.raises(SettingsError, match=r"needs a Llama-family model .*; Qwen2ForCausalLM "
+                                            r"is Qwen2ForCausalLM. Use tailorkv.channel_query "
+                                            r"'current'"):
+        predicted_query.check_model_class(Qwen2ForCausalLM, "Qwen2ForCausalLM")

@@ -113,6 +113,13 @@ class TailorKVSettings(EveryTokenQuantized, EngineSettings):
                     f"{shapes.num_layers} attention layers (allowed: 0..{shapes.num_layers - 1})")
 
     def for_model(self, model_config) -> TailorKVSettings:
+        if self.channel_query == "predicted":  # refused here, before the model loads
+            from vllm.model_executor.models import ModelRegistry
+
+            from vllm_shadowkv.patches.predicted_query import check_model_class
+
+            check_model_class(*ModelRegistry.resolve_model_cls(model_config.architectures,
+                                                               model_config))
         if self.q_layers != AUTO:
             return self
         return replace(self, q_layers=auto_q_layers(model_config.hf_config, model_config.model))
