@@ -180,6 +180,20 @@ def test_speculative_decode_attends_the_previous_guess_rows_top_k(bits):
     assert not method._pending
 
 
+def test_a_step_without_a_guess_after_one_with_it():
+    """vLLM drafts nothing past max_model_len: the last step has one row where the step
+    before had two, with the same seq_len. It decodes as "current" mode does."""
+    settings = SpeCacheSettings(group_size=32, residual=32, top_k=16, prefetch="speculative",
+                                min_sparse_len=100)
+    method = make_method(settings, h=2, d=64)
+    world = make_world(method, {"r": (300, 4)})
+    world.prefill("r", chunk=128)
+    guess_step(world, {"r": 301}, {"r": random_guess(world, torch.Generator().manual_seed(5))})
+    out = world.step({"r": 302})["r"]  # seq_len 302, as the guess step's
+    torch.testing.assert_close(out.float(), reference_output(world, "r", 302), atol=2e-5,
+                               rtol=2e-5)
+
+
 def test_a_prefetch_never_writes_the_pages_of_a_released_request():
     """Two requests prefetch for their next step; one finishes and its pages go to another
     request before the next step: that step fills the live request's slots and leaves the

@@ -200,8 +200,10 @@ class MiniKVMethod(KVMethod):
     def _ring(self, layer: LayerContext, reqs: list[RequestRows], s_q: int):
         """The 16-bit generated tokens not folded yet, this step's committed ones included: K/V
         ``[B, h, R, d]`` (position order, padded) and the causal mask ``[B, 1, s_q, R]``."""
-        key = tuple((r.req_id, r.seq_len) for r in reqs)
-        if self._ring_index is None or self._ring_index[0] != key:  # shared by the layers
+        # Shared by the layers. The rows count too: a request's seq_len recurs when a step
+        # without a guess row follows one with it (vLLM drafts nothing past max_model_len).
+        key = (tuple((r.req_id, r.seq_len) for r in reqs), s_q, reqs[0].guess)
+        if self._ring_index is None or self._ring_index[0] != key:
             self._ring_index = (key, self._ring_slots(layer, reqs, s_q))
         blocks, slots, mask = self._ring_index[1]
         kv = exact_view(layer.kv_cache, layer.layout)[blocks, slots]  # [B, R, 2, h, d]
