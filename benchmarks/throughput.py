@@ -251,7 +251,8 @@ def plot(runs: list[dict], backends, meta: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    colors = {"default": "#888888", "shadowkv": "#1f77b4", "minikv": "#ff7f0e"}
+    colors = {"default": "#888888", "shadowkv": "#1f77b4", "minikv": "#ff7f0e",
+              "specache": "#2ca02c", "tailorkv": "#d62728"}
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
     for backend in backends:
         pts = sorted((r["context"], r) for r in runs if r["backend"] == backend and "wall_s" in r)

@@ -192,13 +192,15 @@ def test_mixed_attention_equals_the_mixed_cache(impl, case, kernel_device):
     torch.testing.assert_close(lse, want_lse, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("impl", IMPL_PARAMS[:2])  # the reference and the compiled CPU kernel
 @pytest.mark.parametrize("case", MIXED_CASES, ids=_case_id)
-def test_quant_logits_and_top_k_match_brute_force(case, monkeypatch):
+def test_quant_logits_and_top_k_match_brute_force(impl, case, monkeypatch):
     fmt, h_kv, gqa, _, counts, k = case
     monkeypatch.setattr(torch_path, "BLOCK_TOKENS", 2 * fmt.group * len(counts))  # 2-group blocks
     r = Requests(fmt, h_kv, gqa, 1, counts, torch.bfloat16)
     row = r.q[:, 0]  # [B, h_q, d]
-    logits = quant_logits(row, r.pool, r.table, r.count, fmt, r.scale)
+    with ops.kernel_mode(KERNEL_MODES[impl]):
+        logits = ops.quant_logits(row, r.pool, r.table, r.count, fmt, r.scale)
     assert logits.shape == (len(counts), h_kv * gqa, max(counts) * fmt.group)
     other_lse = torch.randn(len(counts), h_kv * gqa) * 3  # the residual's share of each row
     chosen = top_k_tokens(logits, other_lse, h_kv, k)

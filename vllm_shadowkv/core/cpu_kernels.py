@@ -1,7 +1,8 @@
 """CPU kernels of the decode steps' compute-heavy stages, compiled by torch.compile (inductor's
 C++ backend), with the signatures of their torch references in select.py, reconstruct.py,
-quant_attention.py (attention over KIVI groups, MiniKV: about 5x the blocked torch path) and
-critical_channels.py (TailorKV's partial scores).
+quant_attention.py (attention over KIVI groups, MiniKV: about 5x the blocked torch path),
+mixed_attention.py (one row's logits over KIVI keys, SpeCache's top-k) and critical_channels.py
+(TailorKV's partial scores).
 
 Eager torch spends these stages copying: the landmarks converted to fp32 and permuted before
 a matmul with four columns, the missed A rows gathered by advanced indexing, RoPE as a dozen
@@ -139,6 +140,48 @@ def _quant_block(bits: int):
         return out, (row_max + torch.log(denom)).squeeze(-1)  # log(0) = -inf: no keys
 
     return block
+
+
+@functools.cache
+def _logits_block(bits: int):
+    """The compiled logits of one query row per (request, KV head) over one block of gathered
+    key groups (``bits`` a graph constant, as in ``_quant_block``)."""
+    per_word, code_mask = 32 // bits, (1 << bits) - 1
+
+    @functools.partial(torch.compile, dynamic=None, fullgraph=True)
+    def block(q: torch.Tensor, key_codes: torch.Tensor, key_scale: torch.Tensor,
+              key_zero: torch.Tensor, valid: torch.Tensor, scale: float):
+        """q [R, g, d]; codes [R, n, T, W], scale/zero [R, n, d]; valid [R, n * T] -> logits
+        [R, g, n * T] fp32 (-inf where not valid), the keys dequantized inside the sum."""
+        rows, n, tokens, _ = key_codes.shape
+        shifts = torch.arange(per_word, device=q.device, dtype=torch.int32) * bits
+        codes = ((key_codes.unsqueeze(-1) >> shifts) & code_mask).view(rows, n, tokens, -1)
+        k = codes.float() * key_scale.float().unsqueeze(2) + key_zero.float().unsqueeze(2)
+        logits = (q.float()[:, :, None, None, :] * k[:, None]).sum(-1).flatten(-2) * scale
+        return logits.masked_fill(~valid[:, None, :], float("-inf"))
+
+    return block
+
+
+def quant_logits(q, groups, group_table, group_count, fmt, scale):
+    """Same contract as core.mixed_attention.quant_logits."""
+    from .quant_attention import group_blocks
+
+    batch, h_q, head_dim = q.shape
+    h_kv = groups.key_codes.shape[1]
+    rows = q.reshape(batch * h_kv, h_q // h_kv, head_dim)  # one row per (request, KV head)
+    blocks = []
+    for ids, valid in group_blocks(group_table, group_count, fmt, groups.key_codes.shape[0]):
+        picked = []
+        for field in (groups.key_codes, groups.key_scale, groups.key_zero):
+            part = torch.index_select(field, 0, ids).unflatten(0, (batch, -1)).transpose(1, 2)
+            picked.append(part.reshape(batch * h_kv, -1, *field.shape[2:]))
+        valid = valid.expand(batch, h_kv, -1).flatten(0, 1)
+        blocks.append(_logits_block(fmt.bits)(rows, *picked, valid, scale).view(
+            batch, h_q, -1))
+    if not blocks:
+        return q.new_full((batch, h_q, 0), float("-inf"), dtype=torch.float32)
+    return torch.cat(blocks, dim=-1)
 
 
 def quant_attention(q, groups, group_table, group_count, fmt, scale, excluded=None):

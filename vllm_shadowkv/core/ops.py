@@ -12,7 +12,7 @@ import importlib.util
 import torch
 
 from . import quant_attention as quant_path
-from . import cpu_kernels, critical_channels, reconstruct, select
+from . import cpu_kernels, critical_channels, mixed_attention, reconstruct, select
 
 _HAS_TRITON = importlib.util.find_spec("triton") is not None
 KERNEL_MODES = ("auto", "triton", "torch")
@@ -85,3 +85,10 @@ def quant_attention(q, groups, group_table, group_count, fmt, scale, excluded=No
     impl = (_kernels("quant_kernels") if _use_triton(q)
             else cpu_kernels if _compiled_cpu(q) else quant_path)
     return impl.quant_attention(q, groups, group_table, group_count, fmt, scale, excluded)
+
+
+def quant_logits(q, groups, group_table, group_count, fmt, scale):
+    # No Triton kernel yet: on CUDA the reference, which dequantizes one block of groups at a
+    # time (quant_attention.BLOCK_TOKENS), never the whole context.
+    impl = cpu_kernels if _compiled_cpu(q) else mixed_attention
+    return impl.quant_logits(q, groups, group_table, group_count, fmt, scale)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm_shadowkv.core import mixed_attention
+from vllm_shadowkv.core import mixed_attention, ops
 from vllm_shadowkv.core.attention import merge_attention
 from vllm_shadowkv.methods.base import KVShapes, LayerContext, RequestRows
 from vllm_shadowkv.methods.minikv.method import MiniKVMethod
@@ -164,8 +164,8 @@ class SpeCacheMethod(MiniKVMethod):
         n, h = len(reqs), self.shapes.num_kv_heads
         g = per_head.shape[2]
         row_lse = lse_exact[:, row].view(n, h, g).reshape(n * h, g)
-        logits = mixed_attention.quant_logits(per_head[:, row], pool, batch.group_table,
-                                              batch.group_count, self.pages.fmt, layer.scale)
+        logits = ops.quant_logits(per_head[:, row], pool, batch.group_table,
+                                  batch.group_count, self.pages.fmt, layer.scale)
         fetchable = torch.tensor([self._fetchable(r.prompt_len) for r in reqs],
                                  device=per_head.device).repeat_interleave(h).view(-1, 1, 1)
         folded = torch.arange(logits.shape[-1], device=per_head.device) >= fetchable
