@@ -14,11 +14,11 @@ recent-window-only baseline at the same bytes (heavy 0 %, recent 50 %), and both
 tighter 10 % of the prompt (heavy 5 % + recent 5 % vs recent 10 %), every prompt compressed.
 
 With ``--specache``: SpeCache at its defaults (1-bit KIVI groups of 64, top-64 tokens per KV head
-exact each step, picked ahead by the guess row: prefetch "speculative"), the same with prefetch
-"current" (the output row picks its own) and with ``accept_guess`` (a confirmed guess emitted
-too), the first two again at 2 bits, and plain 1-bit and 2-bit KIVI
-(``top_k`` 0: nothing fetched), the paper's Table 1 comparison; every SpeCache engine measures
-its fidelity and speculation hit rate (``measure_fidelity``).
+exact each step, prefetch "current": the output row picks its own), with the speculative
+prefetch (the guess row picks the next step's) and with it ``accept_guess`` (a confirmed guess
+emitted too), both modes again at 2 bits, and plain 1-bit and 2-bit KIVI (``top_k`` 0: nothing
+fetched), the paper's Table 1 comparison; every SpeCache engine measures its fidelity and
+speculation hit rate (``measure_fidelity``).
 
 With ``--tailorkv``: TailorKV-1 and TailorKV-2 with layer 0 quantized (Llama-3.x's set) and the
 paper's RULER budget scaled to the context: 8 sink + 120 recent tokens kept, top-k 896 of 128K
@@ -46,10 +46,11 @@ SHADOWKV_SETTINGS = {"rank": 160, "chunk_size": 8, "local_window": 32, "min_spar
 MINIKV = {"minikv": {}, "recent@50%": {"heavy_ratio": 0.0, "recent_ratio": 0.5},
           "minikv@10%": {"heavy_ratio": 0.05, "recent_ratio": 0.05},
           "recent@10%": {"heavy_ratio": 0.0, "recent_ratio": 0.1}}
-SPECACHE = {"specache": {}, "specache-current": {"prefetch": "current"},
-            "specache-accept": {"accept_guess": True},
-            "specache-2bit": {"bits": 2},
+SPECACHE = {"specache-current": {"prefetch": "current"},
+            "specache-speculative": {"prefetch": "speculative"},
+            "specache-accept": {"prefetch": "speculative", "accept_guess": True},
             "specache-2bit-current": {"bits": 2, "prefetch": "current"},
+            "specache-2bit-speculative": {"bits": 2, "prefetch": "speculative"},
             "kivi-1bit": {"top_k": 0}, "kivi-2bit": {"bits": 2, "top_k": 0}}
 SPECACHE = {label: s | {"measure_fidelity": True} for label, s in SPECACHE.items()}
 TAILORKV_SCALED = {"q_layers": [0], "top_k_ratio": round(896 / 131072, 4)}

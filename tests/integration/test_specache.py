@@ -1,8 +1,7 @@
 """SpeCache compressed for real inside vLLM (CPU, fresh processes), on the constructed retrieval
-model: at the paper's defaults (the speculative prefetch) prompts run compressed (engine
-counters), every step attends its top-k tokens exact (slot hits + fetches), the guess rows
-predict part of the output rows' own top-k (the speculation hit rate), and the in-engine
-fidelity probe shows the fetch doing its job: closer to dense attention than the same 1-bit pages with nothing fetched (plain KIVI,
+model: at the paper's defaults prompts run compressed (engine counters), every step attends its
+top-k tokens exact (slot hits + fetches), and the in-engine fidelity probe shows the fetch doing
+its job: closer to dense attention than the same 1-bit pages with nothing fetched (plain KIVI,
 ``top_k`` 0). The method table's shared engine tests (exactness with covering settings,
 lifecycle, capacity) run SpeCache too."""
 
@@ -38,11 +37,6 @@ def test_defaults_fetch_the_top_k_and_beat_plain_kivi(tmp_path):
     assert 0 < fetched < steps * layers * kv_heads * top_k  # the slots carry over steps
     assert kivi["hits"] == 0 and kivi["bytes_fetched"] == 0
 
-    # The default prefetch is speculative: every step after the first attends what the
-    # previous step's guess row picked; the probe counts how much of its own top-k that was.
-    assert stats["speculated"] == (steps - 1) * layers * kv_heads * top_k
-    print(f"\nspeculation hit rate {stats['speculation_hit_rate']:.3f}")
-    assert stats["speculation_hits"] > 0
     errors = {int(layer): f["relative_error"] for layer, f in stats["fidelity"].items()}
     plain = {int(layer): f["relative_error"] for layer, f in kivi["fidelity"].items()}
     print(f"\nrelative error vs dense per layer: specache {errors}, plain 1-bit KIVI {plain}")

@@ -1,9 +1,7 @@
-"""SpeCache's two prefetch modes in a real vLLM engine (CPU, fresh processes, tiny local
-model). Speculative (the default): the plugin sets up the guess row (vLLM's speculative
-decoding, no --speculative-config given), every decode step schedules it and none is accepted,
-the long request decodes compressed. Current: no guess row, and with covering settings the
-tokens are the default backend's (the method table's exactness tests cover the speculative
-mode)."""
+"""SpeCache's speculative prefetch in a real vLLM engine (CPU, fresh processes, tiny local
+model): the plugin sets up the guess row (vLLM's speculative decoding, no --speculative-config
+given), every decode step schedules it and none is accepted, the long request decodes
+compressed; with covering settings the tokens are the default backend's."""
 
 import pytest
 from engine_utils import PROMPTS, assert_greedy_close, generate_in_fresh_process
@@ -44,25 +42,26 @@ def assert_guess_rows_ran(result):
     assert sparse["decode_steps"] > 0 and sparse["hits"] > 0
 
 
-def test_current_mode_with_covering_settings_equals_the_default_backend(tiny_model, tmp_path):
-    """The non-speculative mode (the method table's engine tests run the default, speculative):
-    one row per step, no guess scheduled, the tokens of the default backend."""
+def test_covering_settings_equal_the_default_backend(tiny_model, tmp_path):
     ref = generate_in_fresh_process({**COMMON, "model": tiny_model, "attention_backend": None},
                                     _dir(tmp_path, "ref"))
     settings = SpeCacheMethod.covering_settings(256, 4096) | {"min_sparse_len": 2048,
-                                                              "prefetch": "current"}
+                                                              "prefetch": "speculative"}
     test = run_specache(tiny_model, settings, _dir(tmp_path, "specache"))
     assert_greedy_close(ref["batches"][0], test["batches"][0], names=("default", "specache"))
-    assert not test["spec_decode"].get("vllm:spec_decode_num_drafts")
-    (sparse,) = [s for s in {**test["stats"][0]["finished"], **test["stats"][0]["requests"]}
-                 .values() if s["mode"] == "sparse"]
-    assert sparse["decode_steps"] > 0
+    assert_guess_rows_ran(test)
 
 
 def test_defaults_run_the_guess_row(tiny_model, tmp_path):
     """The defaults (1 bit, group 64, top 64 of a 3K prompt, generated tokens folded every
-    64, the speculative prefetch); the threshold lowered to the tiny model's prompts."""
-    assert_guess_rows_ran(run_specache(tiny_model, {"min_sparse_len": 2048}, tmp_path))
+    64) with the speculative prefetch; the threshold lowered to the tiny model's prompts."""
+    result = run_specache(tiny_model, {"min_sparse_len": 2048, "prefetch": "speculative",
+                                       "measure_fidelity": True}, tmp_path)
+    assert_guess_rows_ran(result)
+    # The probe: of the output rows' own top-k, the share their previous guess row fetched.
+    (sparse,) = [s for s in {**result["stats"][0]["finished"], **result["stats"][0]["requests"]}
+                 .values() if s["mode"] == "sparse"]
+    assert sparse["speculated"] > 0 and 0 < sparse["speculation_hits"] <= sparse["speculated"]
 
 
 def _dir(tmp_path, name):

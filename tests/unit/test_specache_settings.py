@@ -17,7 +17,7 @@ def shapes(head=128):
 def test_paper_defaults():
     s = parse_settings(SpeCacheSettings, {})
     assert (s.bits, s.group_size, s.residual, s.top_k, s.prefetch, s.accept_guess) == (
-        1, 64, 64, 64, "speculative", False)
+        1, 64, 64, 64, "current", False)
     assert s.key == "specache"
     s.check_engine(shapes())
     assert s.kivi_format(128) == KiviFormat(1, 64, 128, 64, midpoint_one_bit=True)
@@ -80,7 +80,7 @@ def test_speculative_prefetch_needs_the_guess_proposer():
     assert accepting.speculative_config()["model"] == ACCEPTING_PROPOSER
     current = parse_settings(SpeCacheSettings, {"prefetch": "current"})
     assert current.speculative_config() is None
-    plain_kivi = parse_settings(SpeCacheSettings, {"top_k": 0})  # nothing to prefetch
+    plain_kivi = parse_settings(SpeCacheSettings, {"top_k": 0, "prefetch": "speculative"})
     assert plain_kivi.speculative_config() is None
 
     def config(method="custom_class", model=PROPOSER, tokens=1):

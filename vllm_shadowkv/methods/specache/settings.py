@@ -35,13 +35,14 @@ class SpeCacheSettings(EveryTokenQuantized, EngineSettings):
     top_k: int = 64
     """Tokens per KV head and layer whose exact 16-bit K/V are fetched from the CPU store and
     attended in place of their low-bit copies; 0: plain KIVI, nothing fetched."""
-    prefetch: str = "speculative"
-    """"speculative" (the paper's): each decode step also runs the model's guess of the next
-    token (vLLM's speculative decoding with one token, set up at start-up), whose attention
+    prefetch: str = "current"
+    """"current": the output token's own attention over the low-bit keys picks the top-k, which
+    are fetched, then attention again (one row per step, the fetch in line). "speculative" (the
+    paper's default; not ours: on SmolLM2 at 1 bit it garbles the needle digits that "current"
+    copies exactly, benchmarks/RESULTS.md): each decode step also runs the model's guess of the
+    next token (vLLM's speculative decoding with one token, set up at start-up), whose attention
     picks the next step's top-k, fetched for the next step (on CUDA off the critical path); the
-    output row attends those picked the step before. "current" (the paper's non-speculative
-    comparison): the output token's own attention over the low-bit keys picks the top-k, which
-    are fetched, then attention again, in line; one query row per step."""
+    output row attends those picked the step before."""
     accept_guess: bool = False
     """Speculative only: vLLM's own verification, which emits the guess row's token too when
     the output row's token equals the guess (two tokens that step). Its K/V are then written
