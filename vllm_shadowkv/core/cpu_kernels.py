@@ -142,6 +142,13 @@ def _quant_block(bits: int):
     return block
 
 
+def _per_kv_head(field: torch.Tensor, ids: torch.Tensor, batch: int, h_kv: int) -> torch.Tensor:
+    """A block's groups of one KV-group field, ``[B * n, h_kv, ...]`` pool entries ``ids``, as
+    one row per (request, KV head): ``[B * h_kv, n, ...]``."""
+    part = torch.index_select(field, 0, ids).unflatten(0, (batch, -1)).transpose(1, 2)
+    return part.reshape(batch * h_kv, -1, *field.shape[2:])
+
+
 @functools.cache
 def _logits_block(bits: int):
     """The compiled logits of one query row per (request, KV head) over one block of gathered
@@ -172,10 +179,8 @@ def quant_logits(q, groups, group_table, group_count, fmt, scale):
     rows = q.reshape(batch * h_kv, h_q // h_kv, head_dim)  # one row per (request, KV head)
     blocks = []
     for ids, valid in group_blocks(group_table, group_count, fmt, groups.key_codes.shape[0]):
-        picked = []
-        for field in (groups.key_codes, groups.key_scale, groups.key_zero):
-            part = torch.index_select(field, 0, ids).unflatten(0, (batch, -1)).transpose(1, 2)
-            picked.append(part.reshape(batch * h_kv, -1, *field.shape[2:]))
+        picked = [_per_kv_head(field, ids, batch, h_kv)
+                  for field in (groups.key_codes, groups.key_scale, groups.key_zero)]
         valid = valid.expand(batch, h_kv, -1).flatten(0, 1)
         blocks.append(_logits_block(fmt.bits)(rows, *picked, valid, scale).view(
             batch, h_q, -1))
@@ -200,10 +205,7 @@ def quant_attention(q, groups, group_table, group_count, fmt, scale, excluded=No
     outs, lses = [], []
     for ids, valid in group_blocks(group_table, group_count, fmt, groups.key_codes.shape[0],
                                    excluded):
-        picked = []
-        for field in groups:  # [B * n, h_kv, ...] -> [B * h_kv, n, ...]
-            part = torch.index_select(field, 0, ids).unflatten(0, (batch, -1)).transpose(1, 2)
-            picked.append(part.reshape(batch * h_kv, -1, *field.shape[2:]))
+        picked = [_per_kv_head(field, ids, batch, h_kv) for field in groups]
         valid = valid.expand(batch, h_kv, -1).flatten(0, 1)  # [B * h_kv, n * G]
         out, lse = _quant_block(fmt.bits)(rows, *picked, valid, scale)
         outs.append(out)

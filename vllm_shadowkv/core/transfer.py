@@ -1,5 +1,5 @@
 """Host-to-device copies of fetched values on a dedicated stream, overlapping the key rebuild,
-and device-to-host copies of small index tensors that are read later (``to_host_async``).
+and device-to-host copies of small index tensors that are read later (``HostCopy``).
 
 The decode step queues the key rebuild on the compute stream first, then gathers the missed
 value rows on the host (into pinned memory) and copies them on the copy stream; the compute

@@ -35,8 +35,10 @@ class SlotFetch:
         self._host = transfer.HostCopy([(wanted >= 0).sum(dim=(1, 2)), miss_count, miss_slots,
                                         slots])
 
-    def drop(self, req_id: str) -> None:
+    def drop(self, req_id: str) -> bool:
+        """Leave ``req_id``'s rows out; False when no request of the fetch is left."""
         self.dropped.add(req_id)
+        return bool(set(self.req_ids) - self.dropped)
 
     def complete(self, layer: LayerContext, pages) -> None:
         """Gather the missed rows from ``layer``'s store into the slots of ``pages``
@@ -49,9 +51,9 @@ class SlotFetch:
         dest = miss_slots[req, head, nth].long()
         misses = (miss_count * live.view(-1, 1)).sum(dim=1).tolist()
         if req.numel():
-            shapes, device = pages.shapes, layer.kv_cache.device
-            staging = torch.empty(req.numel(), 2, shapes.head_size, dtype=shapes.dtype,
-                                  pin_memory=layer.kv_cache.is_cuda)
+            device = layer.kv_cache.device
+            staging = transfer.host_staging((req.numel(), 2, pages.shapes.head_size),
+                                            layer.kv_cache)
             layer.store.gather_many([(r, layer.index) for r in self.req_ids], head,
                                     slots[req, head, dest], misses, staging)
             fetched = transfer.to_device_async(staging, device)

@@ -91,12 +91,8 @@ class SpeCacheMethod(MiniKVMethod):
             del self._slot_tokens[key]
             self._ahead.discard(key)
         for layer, fetches in list(self._pending.items()):
-            for fetch in fetches:
-                fetch.drop(req_id)
-            fetches = [f for f in fetches if set(f.req_ids) - f.dropped]
-            if fetches:
-                self._pending[layer] = fetches
-            else:
+            self._pending[layer] = [f for f in fetches if f.drop(req_id)]
+            if not self._pending[layer]:
                 del self._pending[layer]
 
     # -- decode ---------------------------------------------------------------------------------
@@ -125,16 +121,19 @@ class SpeCacheMethod(MiniKVMethod):
             fetch.complete(layer, self.pages)
         ahead = self.settings.prefetch == "speculative" and guess > 0
         now = [i for i, key in enumerate(keys) if not (ahead and key in self._ahead)]
-        measure = self.settings.measure_fidelity and ahead and len(now) < n
+        picked_ahead = [i for i in range(n) if i not in now]
+        measure = self.settings.measure_fidelity and bool(picked_ahead)
         if now or measure:
             wanted = self._wanted(pool, layer, reqs, per_head, lse_exact, batch, s_q - 1 - guess)
-        if measure:  # before ``now`` fills its slots: what the guess rows picked ahead
-            self._record_speculation(layer, reqs, keys, wanted.view(n, h, -1))
         if now:
             self._fetch(layer, [reqs[i] for i in now], [plans[i] for i in now],
                         wanted.view(n, -1)[now].view(-1, self.settings.top_k)).complete(
                             layer, self.pages)
         slots = torch.cat([self._slot_tokens[key] for key in keys])  # [n * h, k]
+        if measure:
+            self._record_speculation(layer, [reqs[i] for i in picked_ahead],
+                                     wanted.view(n, h, -1)[picked_ahead],
+                                     slots.view(n, h, -1)[picked_ahead])
         slot_k, slot_v = self._slot_kv(layer, plans)
         out_q, lse_q = mixed_attention.mixed_attention(
             per_head, pool, batch.group_table, batch.group_count, self.pages.fmt, layer.scale,
@@ -190,21 +189,17 @@ class SpeCacheMethod(MiniKVMethod):
             self._slot_tokens[(r.req_id, layer.index)] = tokens
         return fetch
 
-    def _record_speculation(self, layer: LayerContext, reqs: list[RequestRows], keys,
-                            own: torch.Tensor) -> None:
-        """measure_fidelity: of the top-k the output row would pick itself (``own`` ``[n, h,
-        k]``, -1: none), how many the previous step's guess row put in the slots."""
-        counts = []
-        for i, key in enumerate(keys):
-            if key in self._ahead:
-                mine = own[i]
-                hits = (mine.unsqueeze(-1) == self._slot_tokens[key].unsqueeze(-2)).any(-1)
-                counts.append((i, torch.stack([(mine >= 0).sum(), (hits & (mine >= 0)).sum()])))
-        totals = torch.stack([c for _, c in counts]).tolist()
-        for (i, _), (wanted, hits) in zip(counts, totals):
-            stats = layer.stats(reqs[i].req_id)
+    def _record_speculation(self, layer: LayerContext, reqs: list[RequestRows],
+                            own: torch.Tensor, slots: torch.Tensor) -> None:
+        """measure_fidelity: of the top-k each output row would pick itself (``own`` ``[n, h,
+        k]``, -1: none), how many the previous step's guess row put in its ``slots``."""
+        valid = own >= 0
+        hits = (own.unsqueeze(-1) == slots.unsqueeze(-2)).any(-1) & valid
+        for req, (wanted, hit) in zip(reqs, torch.stack([valid.sum((1, 2)), hits.sum((1, 2))],
+                                                        dim=1).tolist()):
+            stats = layer.stats(req.req_id)
             stats.speculated += wanted
-            stats.speculation_hits += hits
+            stats.speculation_hits += hit
 
     def _slot_kv(self, layer: LayerContext, plans: list[RequestPlan]):
         """The slots' exact K/V ``[n * h, 1, k, d]`` each, read from the pages."""
