@@ -22,8 +22,9 @@ speculation hit rate (``measure_fidelity``).
 
 With ``--tailorkv``: TailorKV-1 and TailorKV-2 with layer 0 quantized (Llama-3.x's set) and the
 paper's RULER budget scaled to the context: 8 sink + 120 recent tokens kept, top-k 896 of 128K
-(0.68 % of the prompt) selected on 12 critical channels each step; and the sink + recent control
-(a top-k of 1).
+(0.68 % of the prompt) selected on 12 critical channels each step, the channels chosen with the
+layer's own query ("current") and with the query predicted from the previous layer
+("predicted"); and the sink + recent control (a top-k of 1).
 
     VLLM_CPU_KVCACHE_SPACE=2 python benchmarks/accuracy.py [--shadowkv] [--minikv] [--specache] [--tailorkv] [--out DIR] [run.py options]
 
@@ -56,6 +57,8 @@ SPECACHE = {label: s | {"measure_fidelity": True} for label, s in SPECACHE.items
 TAILORKV_SCALED = {"q_layers": [0], "top_k_ratio": round(896 / 131072, 4)}
 TAILORKV = {"tailorkv-1": TAILORKV_SCALED, "tailorkv-2": TAILORKV_SCALED | {"bits": 2},
             "sink+recent": {"q_layers": [0], "top_k": 1}}
+TAILORKV |= {f"{label}-predicted": s | {"channel_query": "predicted"}
+             for label, s in list(TAILORKV.items())[:2]}
 ENGINE_ARGS = {"enable_prefix_caching": False}
 FLAGS = ("--shadowkv", "--minikv", "--specache", "--tailorkv")
 

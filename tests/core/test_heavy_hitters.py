@@ -64,6 +64,20 @@ def test_selection_per_kv_head_from_group_sums():
     assert not all(torch.equal(kept[0], kept[h]) for h in range(1, h_kv))  # heads differ
 
 
+def test_pooling_keeps_the_neighbours_of_a_heavy_token():
+    length, heavy, recent, pool = 60, 7, 5, 7
+    col_sums = torch.rand(2, length) * 0.1
+    col_sums[0, 20] = col_sums[1, 3] = 5.0  # one heavy token per head, the rest noise
+    kept = select_heavy_hitters(col_sums, length, heavy, recent, pool)
+    assert torch.equal(kept[0, :heavy], torch.arange(17, 24))
+    # Near the prompt's start: tokens 0-6 each have token 3 within 3 positions.
+    assert torch.equal(kept[1, :heavy], torch.arange(0, 7))
+    assert torch.equal(kept[:, heavy:], torch.arange(length - recent, length).expand(2, -1))
+    # pool 1 is H2O's own column sums.
+    assert torch.equal(select_heavy_hitters(col_sums, length, heavy, recent, 1),
+                       select_heavy_hitters(col_sums, length, heavy, recent))
+
+
 def test_selection_keeps_everything_when_the_budget_covers_the_prompt():
     col_sums = torch.rand(2, 12)
     kept = select_heavy_hitters(col_sums, 10, 6, 4)

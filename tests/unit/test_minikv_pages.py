@@ -95,6 +95,8 @@ def test_settings_are_checked_with_the_allowed_values():
         parse_settings(MiniKVSettings, {"recent_ratio": "half"})
     with pytest.raises(SettingsError, match="score_window must be >= 0, got -1"):
         parse_settings(MiniKVSettings, {"score_window": -1})
+    with pytest.raises(SettingsError, match="pool must be odd .*got 4"):
+        parse_settings(MiniKVSettings, {"pool": 4})
     settings = parse_settings(MiniKVSettings, {"group_size": 24, "residual": 48})
     with pytest.raises(SettingsError, match=r"group_size \(24\) must divide the head size "
                                             r"\(64\).*allowed here: \[1, 2, 4, 8, 16, 32, 64\]"):
@@ -166,7 +168,7 @@ class World:
 
 def reference_output(world: World, r: str, seq_len: int, fmt: KiviFormat | None):
     """Decode of the last token of ``seq_len`` recomputed from the K/V alone: H2O scores of
-    the whole prompt (or its score window) in one pass, the kept tokens, KIVI round trip of whole groups (prompt and
+    the whole prompt (or its score window) in one pass, pooled, the kept tokens, KIVI round trip of whole groups (prompt and
     each folded ring), exact attention over all of it."""
     m, p = world.method, world.prompt[r]
     s, h = m.settings, m.shapes.num_kv_heads
@@ -177,7 +179,7 @@ def reference_output(world: World, r: str, seq_len: int, fmt: KiviFormat | None)
         if heavy + recent < p:
             first = max(0, p - s.score_window) if s.score_window else 0
             scores = accumulate_column_sums(None, q[first:p], k[:p], world.ctx.scale)
-            kept = select_heavy_hitters(scores, p, heavy, recent)
+            kept = select_heavy_hitters(scores, p, heavy, recent, s.pool)
         else:
             kept = torch.arange(p).expand(h, -1)
         world.reference_kept[r] = kept
@@ -212,6 +214,8 @@ CASES = {
     "16 bits": MiniKVSettings(bits=16, min_sparse_len=128, residual=16),
     # The last 100 prompt queries score the keys: a window over two prefill chunks.
     "score window": MiniKVSettings(score_window=100, min_sparse_len=128, residual=32),
+    "score window, pooled": MiniKVSettings(score_window=100, pool=7, min_sparse_len=128,
+                                           residual=32),
 }
 
 

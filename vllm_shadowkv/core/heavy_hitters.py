@@ -103,12 +103,13 @@ def _chunk_column_sums_cpu(q: torch.Tensor, k: torch.Tensor, scale: float) -> to
 
 
 def select_heavy_hitters(
-    col_sums: torch.Tensor, prompt_len: int, heavy: int, recent: int
+    col_sums: torch.Tensor, prompt_len: int, heavy: int, recent: int, pool: int = 1
 ) -> torch.Tensor:
     """Kept prompt positions per KV head, [h_kv, heavy + recent] int64, ascending.
 
     col_sums [h_kv, >= prompt_len]. The recent window is the last `recent` tokens; the heavy
-    hitters are the top-`heavy` column sums among the tokens before it. When heavy + recent
+    hitters are the top-`heavy` scores among the tokens before it, a token's score being the
+    largest column sum within pool // 2 positions of it (pool 1: its own). When heavy + recent
     covers the prompt every token is kept ([h_kv, prompt_len]).
     """
     h_kv = col_sums.shape[0]
@@ -116,7 +117,13 @@ def select_heavy_hitters(
     if heavy + recent >= prompt_len:
         return torch.arange(prompt_len, device=device).expand(h_kv, -1).clone()
     before = prompt_len - recent
-    top = torch.topk(col_sums[:, :before], heavy, dim=-1).indices
+    scores = col_sums[:, :prompt_len]
+    if pool > 1:
+        # A heavy token brings its neighbours (SnapKV's pooling): the digits of a number
+        # after the token the prompt attends are kept with it.
+        scores = torch.nn.functional.max_pool1d(scores.unsqueeze(1), pool, stride=1,
+                                                padding=pool // 2).squeeze(1)
+    top = torch.topk(scores[:, :before], heavy, dim=-1).indices
     window = torch.arange(before, prompt_len, device=device).expand(h_kv, -1)
     return torch.cat([top.sort(dim=-1).values, window], dim=-1)
 

@@ -97,7 +97,8 @@ class MiniKVMethod(KVMethod):
         heavy, recent = self.pages.kept(layer.index, prompt_len)
         scores = self._scores.pop((req.req_id, layer.index), None)
         if heavy + recent < prompt_len:
-            kept = select_heavy_hitters(scores, prompt_len, heavy, recent)
+            kept = select_heavy_hitters(scores, prompt_len, heavy, recent,
+                                        self.settings.pool)
         else:
             kept = torch.arange(prompt_len, device=keys.device).expand(h, -1)
         index = kept.unsqueeze(-1).expand(-1, -1, d)

@@ -44,8 +44,17 @@ class MiniKVSettings(EngineSettings):
     the paper's choice); N > 0, only the last N (SnapKV's observation window: the question at
     the end of a prompt decides what is kept)."""
 
+    pool: int = 1
+    """Odd width of the max-pooling over the scores before the heavy hitters are taken: a
+    token scores the most of the `pool` tokens centred on it, so the neighbours of a heavy
+    token are kept with it (SnapKV's clustering); 1, no pooling (H2O)."""
+
     def check(self) -> None:
         super().check()
+        at_least(self, "pool", 1)
+        if self.pool % 2 == 0:
+            raise SettingsError(f"minikv.pool must be odd (a window centred on the token), "
+                                f"got {self.pool}")
         if self.bits not in BITS:
             raise SettingsError(f"minikv.bits must be one of {', '.join(map(str, BITS))} "
                                 f"({EXACT_BITS}: no quantization), got {self.bits}")
