@@ -11,6 +11,8 @@ rejected, vLLM rolls its position back and it is never committed.
 
 from __future__ import annotations
 
+import torch
+
 _EXPECTED = ["self", "logits", "spec_decode_metadata"]
 
 
@@ -39,9 +41,20 @@ def sample_with_guesses(original, runner, logits, spec_decode_metadata):
         return original(runner, logits, spec_decode_metadata)
     guesses = logits[spec_decode_metadata.bonus_logits_indices].argmax(dim=-1).tolist()
     output = original(runner, logits, spec_decode_metadata)
+    confirmed = _confirmed(spec_decode_metadata, output.sampled_token_ids[:, 0])
     if not drafter.accept_guess:
         from vllm.v1.sample.rejection_sampler import PLACEHOLDER_TOKEN_ID
 
         output.sampled_token_ids[:, 1:] = PLACEHOLDER_TOKEN_ID
-    keep_guesses(guesses)
+    keep_guesses(guesses, confirmed)
     return output
+
+
+def _confirmed(metadata, output_tokens: torch.Tensor) -> list[bool]:
+    """Per request: whether it was fed a guess and the output row's token is that guess."""
+    drafts = metadata.draft_token_ids
+    if not drafts.numel():
+        return [False] * len(metadata.num_draft_tokens)
+    drafted = torch.tensor(metadata.num_draft_tokens, device=drafts.device) > 0
+    last = drafts[(metadata.cu_num_draft_tokens - 1).clamp(min=0).long()]
+    return (drafted & (output_tokens.to(drafts.device) == last)).tolist()

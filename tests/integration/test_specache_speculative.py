@@ -52,11 +52,14 @@ def test_covering_settings_equal_the_default_backend(tiny_model, tmp_path):
     assert_guess_rows_ran(test)
 
 
-def test_defaults_run_the_guess_row(tiny_model, tmp_path):
+@pytest.mark.parametrize("verify", [False, True])
+def test_defaults_run_the_guess_row(tiny_model, tmp_path, verify):
     """The defaults (1 bit, group 64, top 64 of a 3K prompt, generated tokens folded every
-    64) with the speculative prefetch; the threshold lowered to the tiny model's prompts."""
+    64) with the speculative prefetch, its guesses verified or not; the threshold lowered to
+    the tiny model's prompts."""
     result = run_specache(tiny_model, {"min_sparse_len": 2048, "prefetch": "speculative",
-                                       "measure_fidelity": True}, tmp_path)
+                                       "verify_guess": verify, "measure_fidelity": True},
+                          tmp_path)
     assert_guess_rows_ran(result)
     # The probe: of the output rows' own top-k, the share their previous guess row fetched.
     (sparse,) = [s for s in {**result["stats"][0]["finished"], **result["stats"][0]["requests"]}

@@ -4,6 +4,7 @@ tests/integration/test_specache_speculative.py."""
 
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 from vllm.v1.sample.rejection_sampler import PLACEHOLDER_TOKEN_ID as PLACEHOLDER
@@ -12,8 +13,9 @@ from vllm_shadowkv.methods.specache import guess
 from vllm_shadowkv.patches.guess_row import sample_with_guesses
 
 
-def _proposer(cls):
-    config = SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens=1))
+def _proposer(cls, **settings):
+    config = SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens=1),
+                             additional_config={"specache": settings} if settings else None)
     return cls(config)
 
 
@@ -23,7 +25,10 @@ def _step(proposer, sampled_by_verification):
     logits = torch.zeros(5, 50)
     for row, token in enumerate([11, 21, 31, 41, 12]):
         logits[row, token] = 1.0
-    metadata = SimpleNamespace(bonus_logits_indices=torch.tensor([1, 2, 4]))
+    # Drafts fed this step: r0 11 (its output row's token: confirmed), r2 40 (wrong).
+    metadata = SimpleNamespace(bonus_logits_indices=torch.tensor([1, 2, 4]),
+                               num_draft_tokens=[1, 0, 1], cu_num_draft_tokens=torch.tensor(
+                                   [1, 1, 2]), draft_token_ids=torch.tensor([11, 40]))
 
     def original(runner, logits_in, metadata_in):
         logits_in.zero_()  # the sampler may modify the logits in place
@@ -44,6 +49,32 @@ def test_guess_is_the_guess_rows_argmax_and_rejected_unless_accepted(cls, kept):
     emitted = [[t for t in row if t != PLACEHOLDER] for row in kept]
     # Next guesses: the last logits row of each request, taken before the sampler ran.
     assert proposer.propose(emitted, None, None) == [[21], [31], [12]]
+
+
+def test_after_a_wrong_guess_the_context_is_looked_up():
+    """r0's guess was confirmed: its guess row's stands. r1 had no guess and r2 a wrong one:
+    the token that followed their context's end before (n >= 3), else the guess row's."""
+    proposer = _proposer(guess.GuessProposer)
+    verified = torch.tensor([[11, 21], [31, PLACEHOLDER], [41, PLACEHOLDER]])
+    emitted = [[11], [31], [41]]
+    contexts = np.zeros((3, 12), dtype=np.int32)
+    contexts[0, :7] = [5, 6, 7, 8, 5, 6, 7]  # would look up 8: not asked, the guess was right
+    contexts[1, :5] = [1, 2, 3, 4, 5]  # no earlier occurrence
+    contexts[2, :9] = [9, 7, 3, 41, 8, 2, 7, 3, 41]  # "7 3 41" was followed by 8
+    lengths = np.array([7, 5, 9])
+    _step(proposer, verified)
+    assert proposer.propose(emitted, lengths, contexts) == [[21], [31], [8]]
+    # A match shorter than guess_lookup is not taken; 0 keeps the paper's guess row.
+    contexts[2, :9] = [9, 6, 3, 41, 8, 2, 7, 3, 41]  # "3 41" only
+    for proposer in (_proposer(guess.GuessProposer),
+                     _proposer(guess.GuessProposer, guess_lookup=0)):
+        _step(proposer, verified)
+        assert proposer.propose(emitted, lengths, contexts) == [[21], [31], [12]]
+    # The first decode step (no guess row at all): looked up too.
+    guess.take_guesses()
+    contexts[2, :9] = [9, 7, 3, 41, 8, 2, 7, 3, 41]
+    assert _proposer(guess.GuessProposer).propose(emitted, lengths, contexts) == [
+        [8], [31], [8]]
 
 
 def test_without_a_guess_the_sampled_token_is_the_placeholder():

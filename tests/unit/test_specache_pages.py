@@ -147,13 +147,15 @@ def random_guess(world: World, g: torch.Generator, scale: float = 1.0):
             scale * torch.randn(h, d, generator=g))
 
 
-@pytest.mark.parametrize("bits", [1, 2])
-def test_speculative_decode_attends_the_previous_guess_rows_top_k(bits):
+@pytest.mark.parametrize("bits, verify", [(1, False), (2, False), (1, True)])
+def test_speculative_decode_attends_the_previous_guess_rows_top_k(bits, verify):
     """Rows [output, guess] past two folds of the ring: the output row attends the top-k the
-    previous step's guess row picked (its own in the first step, nothing picked before it),
-    the guess row the same plus the output row and itself, and picks the next step's."""
+    previous step's guess row picked (its own in the first step, nothing picked before it;
+    with verify_guess, its own in every step), the guess row the same plus the output row and
+    itself, and picks the next step's."""
     settings = SpeCacheSettings(bits=bits, group_size=32, residual=32, top_k=24,
-                                prefetch="speculative", min_sparse_len=128)
+                                prefetch="speculative", verify_guess=verify,
+                                min_sparse_len=128)
     method = make_method(settings, h=2, d=64, num_layers=2)
     p, gen = 301, 2 * settings.residual + 5
     world = make_world(method, {"r": (p, gen)})
@@ -164,7 +166,7 @@ def test_speculative_decode_attends_the_previous_guess_rows_top_k(bits):
         out = guess_step(world, {"r": s}, {"r": guess})["r"]
         keys, values = low_bit_context(world, "r", s)
         row = world.q["r"][s - 1]
-        top = top_k(world, "r", keys, row) if picked is None else picked
+        top = top_k(world, "r", keys, row) if picked is None or verify else picked
         keys, values = torch.cat([keys, gk[:, None]], 1), torch.cat([values, gv[:, None]], 1)
         want = [attend(world, "r", keys[:, :-1], values[:, :-1], top, row),
                 attend(world, "r", keys, values, top, gq)]
@@ -173,8 +175,10 @@ def test_speculative_decode_attends_the_previous_guess_rows_top_k(bits):
     stats = world.stats["r"]
     fetched = stats.bytes_fetched // (2 * 64 * 4)
     # Each step fetches the guess row's top-k, written at the next step (the last step's is
-    # still on its way); the first step the output row's before it too.
-    assert stats.hits + fetched == gen * 2 * settings.top_k and 0 < fetched
+    # still on its way); the first step (every step with verify_guess) the output row's before
+    # it too.
+    asked = (2 * gen - 1 if verify else gen) * 2 * settings.top_k
+    assert stats.hits + fetched == asked and 0 < fetched
     assert method._pending[0]
     method.release("r")
     assert not method._pending

@@ -44,6 +44,8 @@ def test_explicit_settings_parse():
     ({"prefetch": "current", "accept_guess": True},
      r"specache.accept_guess needs prefetch 'speculative'"),
     ({"accept_guess": 1}, r"specache.accept_guess must be true or false"),
+    ({"verify_guess": True}, r"specache.verify_guess needs prefetch 'speculative'"),
+    ({"guess_lookup": -1}, r"specache.guess_lookup must be >= 0, got -1"),
     ({"window": 3}, r"unknown specache setting\(s\) 'window'; allowed: .*top_k, prefetch"),
 ])
 def test_invalid_settings_name_the_key_and_the_allowed_values(raw, message):

@@ -10,40 +10,78 @@ with the batch rows in the same order, so the guesses pass through one module-le
 
 from __future__ import annotations
 
+import numpy as np
+
 PROPOSER = "vllm_shadowkv.methods.specache.guess.GuessProposer"
 ACCEPTING_PROPOSER = "vllm_shadowkv.methods.specache.guess.AcceptingGuessProposer"
+LOOKUP_MAX = 16  # the longest context suffix the lookup matches
 
-_guesses: list[int] | None = None  # per batch row, from this step's sampling
+# Per batch row, from this step's sampling: the guess row's argmax, and whether the guess fed
+# this step was the token the output row produced.
+_guesses: tuple[list[int], list[bool]] | None = None
 
 
-def keep_guesses(guesses: list[int] | None) -> None:
+def keep_guesses(guesses: list[int] | None, confirmed: list[bool] | None = None) -> None:
     global _guesses
-    _guesses = guesses
+    _guesses = None if guesses is None else (guesses, confirmed or [False] * len(guesses))
 
 
-def take_guesses() -> list[int] | None:
+def take_guesses() -> tuple[list[int], list[bool]] | None:
     global _guesses
     guesses, _guesses = _guesses, None
     return guesses
 
 
+def lookup(tokens: np.ndarray, min_n: int) -> int | None:
+    """The token after the longest earlier occurrence (min_n to LOOKUP_MAX tokens) of the
+    context's end (vLLM's n-gram proposer's matcher), None without one."""
+    from vllm.v1.spec_decode.ngram_proposer import (
+        _find_longest_matched_ngram_and_propose_tokens as find)
+
+    found = find(tokens, min_n, LOOKUP_MAX, len(tokens) + 1, 1)
+    return int(found[0]) if len(found) else None
+
+
 class GuessProposer:
     """Proposes, for each request that got a token this step, the guess row's argmax; with no
-    guess row in the step (the first decode step), the token just sampled as a placeholder."""
+    guess row in the step (the first decode step), the token just sampled as a placeholder.
+
+    A guess row that followed a wrong guess predicts what comes after the wrong token, and a
+    chain of guesses started wrong stays wrong. With ``guess_lookup`` n > 0, the guess after
+    a wrong one (or none) is instead the token that followed the context's end where it
+    occurred before, matched on at least n tokens (prompt lookup), when there is such a match:
+    a copy from the prompt (a needle's digits) is guessed right from the first step."""
 
     accept_guess = False  # read by patches/guess_row.py: reject every guess (the paper)
 
     def __init__(self, vllm_config) -> None:
+        from vllm_shadowkv.config import parse_settings, settings_block
+        from vllm_shadowkv.methods.specache.settings import SpeCacheSettings
+
         assert vllm_config.speculative_config.num_speculative_tokens == 1
+        settings = parse_settings(SpeCacheSettings, settings_block(
+            getattr(vllm_config, "additional_config", None), SpeCacheSettings.method))
+        self.lookup_min = settings.guess_lookup
+        if self.lookup_min:
+            lookup(np.zeros(4, dtype=np.int32), 1)  # compile the matcher now, not mid-step
 
     def load_model(self, model) -> None:
         """Nothing to load: the guesses come from the target model's own second row."""
 
     def propose(self, sampled_token_ids: list[list[int]], num_tokens_no_spec, token_ids_cpu,
                 slot_mappings=None) -> list[list[int]]:
-        guesses = take_guesses()
-        return [[] if not sampled else [guesses[i] if guesses is not None else sampled[-1]]
-                for i, sampled in enumerate(sampled_token_ids)]
+        taken = take_guesses()
+        out = []
+        for i, sampled in enumerate(sampled_token_ids):
+            if not sampled:
+                out.append([])
+                continue
+            guess, confirmed = (taken[0][i], taken[1][i]) if taken else (sampled[-1], False)
+            if self.lookup_min and not confirmed and token_ids_cpu is not None:
+                found = lookup(token_ids_cpu[i, :num_tokens_no_spec[i]], self.lookup_min)
+                guess = guess if found is None else found
+            out.append([guess])
+        return out
 
 
 class AcceptingGuessProposer(GuessProposer):

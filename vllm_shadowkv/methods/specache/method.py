@@ -108,7 +108,9 @@ class SpeCacheMethod(MiniKVMethod):
         The slots hold the top-k of the output row (the last committed one), fetched now; in
         the speculative mode, those of the previous step's guess row instead, fetched then,
         and after the attention the guess row's top-k is fetched for the next step. A request
-        with nothing picked ahead (its first decode step, a step without a guess) picks now."""
+        with nothing picked ahead (its first decode step, a step without a guess) picks now,
+        and so does every request with ``verify_guess``: only what the guess missed is then
+        fetched in line."""
         if not self.settings.top_k:
             return super()._merge_quantized(layer, reqs, plans, q, batch, out_exact, lse_exact)
         n, s_q, hq, d = q.shape
@@ -122,18 +124,20 @@ class SpeCacheMethod(MiniKVMethod):
         ahead = self.settings.prefetch == "speculative" and guess > 0
         now = [i for i, key in enumerate(keys) if not (ahead and key in self._ahead)]
         picked_ahead = [i for i in range(n) if i not in now]
+        if self.settings.verify_guess:  # the output row's own top-k, the guess's misses in line
+            now = list(range(n))
         measure = self.settings.measure_fidelity and bool(picked_ahead)
         if now or measure:
             wanted = self._wanted(pool, layer, reqs, per_head, lse_exact, batch, s_q - 1 - guess)
+        if measure:
+            self._record_speculation(
+                layer, [reqs[i] for i in picked_ahead], wanted.view(n, h, -1)[picked_ahead],
+                torch.stack([self._slot_tokens[keys[i]] for i in picked_ahead]))
         if now:
             self._fetch(layer, [reqs[i] for i in now], [plans[i] for i in now],
                         wanted.view(n, -1)[now].view(-1, self.settings.top_k)).complete(
                             layer, self.pages)
         slots = torch.cat([self._slot_tokens[key] for key in keys])  # [n * h, k]
-        if measure:
-            self._record_speculation(layer, [reqs[i] for i in picked_ahead],
-                                     wanted.view(n, h, -1)[picked_ahead],
-                                     slots.view(n, h, -1)[picked_ahead])
         slot_k, slot_v = self._slot_kv(layer, plans)
         out_q, lse_q = mixed_attention.mixed_attention(
             per_head, pool, batch.group_table, batch.group_count, self.pages.fmt, layer.scale,

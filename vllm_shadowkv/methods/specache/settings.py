@@ -39,16 +39,28 @@ class SpeCacheSettings(EveryTokenQuantized, EngineSettings):
     """"current": the output token's own attention over the low-bit keys picks the top-k, which
     are fetched, then attention again (one row per step, the fetch in line). "speculative" (the
     paper's default; not ours: on SmolLM2 at 1 bit it garbles the needle digits that "current"
-    copies exactly, benchmarks/RESULTS.md): each decode step also runs the model's guess of the
-    next token (vLLM's speculative decoding with one token, set up at start-up), whose attention
-    picks the next step's top-k, fetched for the next step (on CUDA off the critical path); the
-    output row attends those picked the step before."""
+    copies exactly unless ``verify_guess``, benchmarks/RESULTS.md): each decode step also runs
+    the model's guess of the next token (vLLM's speculative decoding with one token, set up at
+    start-up), whose attention picks the next step's top-k, fetched for the next step (on CUDA
+    off the critical path); the output row attends those picked the step before."""
     accept_guess: bool = False
     """Speculative only: vLLM's own verification, which emits the guess row's token too when
     the output row's token equals the guess (two tokens that step). Its K/V are then written
     like any row's, and the step's slots are those its last row picks, fetched before the
     attention (nothing is picked ahead). Off: the guess only steers the prefetch and its K/V
     are never kept, as in the paper."""
+
+    verify_guess: bool = False
+    """Speculative only: the output row still picks its own top-k, and the tokens of it that
+    the previous step's guess did not prefetch are fetched in line before the attention; the
+    same attention as "current", with most of the fetch ahead of the step. Off: the output row
+    attends what the guess prefetched, as in the paper."""
+    guess_lookup: int = 3
+    """Speculative only: after a wrong guess (and at the first decode step), guess the token
+    that followed the context's end where it occurred before, matched on at least this many
+    tokens (prompt lookup, vLLM's n-gram matcher), instead of the guess row's prediction, which
+    followed the wrong token; the guess row's when nothing matches. 0: always the guess row's
+    (the paper)."""
 
     def check(self) -> None:
         super().check()
@@ -63,12 +75,14 @@ class SpeCacheSettings(EveryTokenQuantized, EngineSettings):
                 f"specache.residual ({self.residual}) must be a multiple of group_size "
                 f"({self.group_size}): tokens are quantized in whole groups")
         at_least(self, "top_k", 0)
+        at_least(self, "guess_lookup", 0)
         if self.prefetch not in PREFETCH_MODES:
             raise SettingsError(f"specache.prefetch must be one of "
                                 f"{', '.join(map(repr, PREFETCH_MODES))}, got {self.prefetch!r}")
-        if self.accept_guess and self.prefetch != "speculative":
-            raise SettingsError("specache.accept_guess needs prefetch 'speculative' (there is "
-                                f"no guess with prefetch {self.prefetch!r})")
+        for name in ("accept_guess", "verify_guess"):
+            if getattr(self, name) and self.prefetch != "speculative":
+                raise SettingsError(f"specache.{name} needs prefetch 'speculative' (there is "
+                                    f"no guess with prefetch {self.prefetch!r})")
 
     def speculative_config(self) -> dict | None:
         if self.prefetch != "speculative" or not self.top_k:
