@@ -15,7 +15,8 @@ tighter 10 % of the prompt (heavy 5 % + recent 5 % vs recent 10 %), every prompt
 
 With ``--specache``: SpeCache at its defaults (1-bit KIVI groups of 64, top-64 tokens per KV head
 exact each step, prefetch "current": the output row picks its own), with the speculative
-prefetch (the guess row picks the next step's) and with it ``accept_guess`` (a confirmed guess
+prefetch (the guess row picks the next step's; also with the paper's guess chain,
+``guess_lookup`` 0, and with ``verify_guess``) and with it ``accept_guess`` (a confirmed guess
 emitted too), both modes again at 2 bits, and plain 1-bit and 2-bit KIVI (``top_k`` 0: nothing
 fetched), the paper's Table 1 comparison; every SpeCache engine measures its fidelity and
 speculation hit rate (``measure_fidelity``).
@@ -49,6 +50,8 @@ MINIKV = {"minikv": {}, "recent@50%": {"heavy_ratio": 0.0, "recent_ratio": 0.5},
           "recent@10%": {"heavy_ratio": 0.0, "recent_ratio": 0.1}}
 SPECACHE = {"specache-current": {"prefetch": "current"},
             "specache-speculative": {"prefetch": "speculative"},
+            "specache-speculative-chain": {"prefetch": "speculative", "guess_lookup": 0},
+            "specache-verified": {"prefetch": "speculative", "verify_guess": True},
             "specache-accept": {"prefetch": "speculative", "accept_guess": True},
             "specache-2bit-current": {"bits": 2, "prefetch": "current"},
             "specache-2bit-speculative": {"bits": 2, "prefetch": "speculative"},
