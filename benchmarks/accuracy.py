@@ -58,10 +58,10 @@ SPECACHE = {"specache-current": {"prefetch": "current"},
             "kivi-1bit": {"top_k": 0}, "kivi-2bit": {"bits": 2, "top_k": 0}}
 SPECACHE = {label: s | {"measure_fidelity": True} for label, s in SPECACHE.items()}
 TAILORKV_SCALED = {"q_layers": [0], "top_k_ratio": round(896 / 131072, 4)}
-TAILORKV = {"tailorkv-1": TAILORKV_SCALED, "tailorkv-2": TAILORKV_SCALED | {"bits": 2},
-            "sink+recent": {"q_layers": [0], "top_k": 1}}
+TAILORKV = {"tailorkv-1": TAILORKV_SCALED, "tailorkv-2": TAILORKV_SCALED | {"bits": 2}}
 TAILORKV |= {f"{label}-predicted": s | {"channel_query": "predicted"}
-             for label, s in list(TAILORKV.items())[:2]}
+             for label, s in TAILORKV.items()}
+TAILORKV["sink+recent"] = {"q_layers": [0], "top_k": 1}
 ENGINE_ARGS = {"enable_prefix_caching": False}
 FLAGS = ("--shadowkv", "--minikv", "--specache", "--tailorkv")
 

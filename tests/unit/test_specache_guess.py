@@ -9,13 +9,16 @@ import pytest
 import torch
 from vllm.v1.sample.rejection_sampler import PLACEHOLDER_TOKEN_ID as PLACEHOLDER
 
+from vllm_shadowkv.config import STAMP_KEY, Stamp
 from vllm_shadowkv.methods.specache import guess
+from vllm_shadowkv.methods.specache.settings import SpeCacheSettings
 from vllm_shadowkv.patches.guess_row import sample_with_guesses
 
 
 def _proposer(cls, **settings):
+    stamp = Stamp("specache", SpeCacheSettings(**settings), store_bytes=0)
     config = SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens=1),
-                             additional_config={"specache": settings} if settings else None)
+                             additional_config={STAMP_KEY: stamp.to_json()})
     return cls(config)
 
 

@@ -10,6 +10,8 @@ with the batch rows in the same order, so the guesses pass through one module-le
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 PROPOSER = "vllm_shadowkv.methods.specache.guess.GuessProposer"
@@ -21,9 +23,9 @@ LOOKUP_MAX = 16  # the longest context suffix the lookup matches
 _guesses: tuple[list[int], list[bool]] | None = None
 
 
-def keep_guesses(guesses: list[int] | None, confirmed: list[bool] | None = None) -> None:
+def keep_guesses(guesses: list[int], confirmed: list[bool]) -> None:
     global _guesses
-    _guesses = None if guesses is None else (guesses, confirmed or [False] * len(guesses))
+    _guesses = (guesses, confirmed)
 
 
 def take_guesses() -> tuple[list[int], list[bool]] | None:
@@ -32,13 +34,19 @@ def take_guesses() -> tuple[list[int], list[bool]] | None:
     return guesses
 
 
+@functools.cache
+def _matcher():
+    # Imported on first use: numba and the n-gram module are not loaded with the plugin.
+    from vllm.v1.spec_decode.ngram_proposer import (
+        _find_longest_matched_ngram_and_propose_tokens)
+
+    return _find_longest_matched_ngram_and_propose_tokens
+
+
 def lookup(tokens: np.ndarray, min_n: int) -> int | None:
     """The token after the longest earlier occurrence (min_n to LOOKUP_MAX tokens) of the
     context's end (vLLM's n-gram proposer's matcher), None without one."""
-    from vllm.v1.spec_decode.ngram_proposer import (
-        _find_longest_matched_ngram_and_propose_tokens as find)
-
-    found = find(tokens, min_n, LOOKUP_MAX, len(tokens) + 1, 1)
+    found = _matcher()(tokens, min_n, LOOKUP_MAX, len(tokens) + 1, 1)
     return int(found[0]) if len(found) else None
 
 
@@ -55,13 +63,10 @@ class GuessProposer:
     accept_guess = False  # read by patches/guess_row.py: reject every guess (the paper)
 
     def __init__(self, vllm_config) -> None:
-        from vllm_shadowkv.config import parse_settings, settings_block
-        from vllm_shadowkv.methods.specache.settings import SpeCacheSettings
+        from vllm_shadowkv.config import stamp_of
 
         assert vllm_config.speculative_config.num_speculative_tokens == 1
-        settings = parse_settings(SpeCacheSettings, settings_block(
-            getattr(vllm_config, "additional_config", None), SpeCacheSettings.method))
-        self.lookup_min = settings.guess_lookup
+        self.lookup_min = stamp_of(vllm_config).settings.guess_lookup  # the front end's
         if self.lookup_min:
             lookup(np.zeros(4, dtype=np.int32), 1)  # compile the matcher now, not mid-step
 

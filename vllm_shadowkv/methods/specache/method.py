@@ -122,10 +122,11 @@ class SpeCacheMethod(MiniKVMethod):
         for fetch in self._pending.pop(layer.index, []):  # the rows picked ahead
             fetch.complete(layer, self.pages)
         ahead = self.settings.prefetch == "speculative" and guess > 0
-        now = [i for i, key in enumerate(keys) if not (ahead and key in self._ahead)]
-        picked_ahead = [i for i in range(n) if i not in now]
-        if self.settings.verify_guess:  # the output row's own top-k, the guess's misses in line
-            now = list(range(n))
+        picked_ahead = [i for i, key in enumerate(keys) if ahead and key in self._ahead]
+        # Who picks from the output row now: with verify_guess every request (the guess's
+        # misses fetched in line), else those with nothing picked ahead.
+        now = (list(range(n)) if self.settings.verify_guess
+               else [i for i in range(n) if i not in picked_ahead])
         measure = self.settings.measure_fidelity and bool(picked_ahead)
         if now or measure:
             wanted = self._wanted(pool, layer, reqs, per_head, lse_exact, batch, s_q - 1 - guess)
