@@ -7,6 +7,9 @@ group table): its rows are all the GQA group's query heads times the query token
 group's K/V is read once per KV head and never expanded. Splits (flash-decoding) keep the GPU
 busy at small batch; their partial results are merged by LSE. Excluded tokens (SpeCache's
 exact top-k) are compared against each group's token ids and masked like padding.
+
+quant_logits (reference: vllm_shadowkv.core.mixed_attention.quant_logits) is the QK^T half
+alone, for SpeCache's top-k: one program per (request, KV head, table entry).
 """
 
 import torch
@@ -117,6 +120,47 @@ def _quant_attention_kernel(
     tl.store(lse_ptr + slot, lse, mask=r_mask)
 
 
+@triton.jit
+def _quant_logits_kernel(
+    q_ptr, kc_ptr, ks_ptr, kz_ptr, table_ptr, count_ptr, out_ptr,
+    s_qb, s_qh, s_qd, s_kcn, s_kch, s_kct, s_kcw, s_kpn, s_kph, s_kpd, s_tb, s_tj,
+    s_ob, s_oh, scale,
+    H_KV: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, TOKENS: tl.constexpr,
+    BITS: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    # One program per (request, KV head, table entry): the group's query heads against the
+    # entry's dequantized keys; entries past the request's count are written -inf.
+    pid_bh = tl.program_id(0)
+    j = tl.program_id(1)
+    b = pid_bh // H_KV
+    h = pid_bh % H_KV
+    offs_r = tl.arange(0, BLOCK_R)
+    r_mask = offs_r < GROUP
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    offs_t = tl.arange(0, BLOCK_T)
+    t_mask = offs_t < TOKENS
+    out = (out_ptr + b * s_ob + (h * GROUP + offs_r)[:, None] * s_oh
+           + (j * TOKENS + offs_t)[None, :])
+    out_mask = r_mask[:, None] & t_mask[None, :]
+    if j >= tl.load(count_ptr + b):
+        tl.store(out, tl.full([BLOCK_R, BLOCK_T], float("-inf"), dtype=tl.float32),
+                 mask=out_mask)
+    else:
+        q = tl.load(q_ptr + b * s_qb + (h * GROUP + offs_r)[:, None] * s_qh
+                    + offs_d[None, :] * s_qd, mask=r_mask[:, None] & d_mask[None, :],
+                    other=0.0).to(tl.float32)
+        gid = tl.load(table_ptr + b * s_tb + j * s_tj).to(tl.int64)
+        k_param = gid * s_kpn + h * s_kph
+        k = _dequant_tile(kc_ptr + gid * s_kcn + h * s_kch, ks_ptr + k_param, kz_ptr + k_param,
+                          offs_t, offs_d, t_mask[:, None] & d_mask[None, :], s_kct, s_kcw, 0,
+                          s_kpd, False, 1, BITS)
+        precision: tl.constexpr = "ieee" if IEEE else "tf32"
+        logits = tl.dot(q, tl.trans(k), input_precision=precision) * scale  # [R, T]
+        tl.store(out, logits, mask=out_mask)
+
+
 def _num_splits(batch_heads: int, max_groups: int, device: torch.device) -> int:
     """Enough programs to fill the device twice over, at least one group per split."""
     target = 2 * torch.cuda.get_device_properties(device).multi_processor_count \
@@ -167,3 +211,29 @@ def quant_attention(q, groups, group_table, group_count, fmt: KiviFormat, scale,
     out = out.view(batch, h_kv, group, s_q, head_dim).permute(0, 3, 1, 2, 4)
     lse = lse.view(batch, h_kv, group, s_q).permute(0, 3, 1, 2)
     return out.reshape(batch, s_q, h_q, head_dim).to(q.dtype), lse.reshape(batch, s_q, h_q)
+
+
+def quant_logits(q, groups, group_table, group_count, fmt: KiviFormat, scale):
+    batch, h_q, head_dim = q.shape
+    kc, ks, kz = groups.key_codes, groups.key_scale, groups.key_zero
+    n_pool, h_kv, tokens, words = kc.shape
+    assert h_q % h_kv == 0 and head_dim == fmt.head_dim and tokens == fmt.group
+    assert words == fmt.words_per_token and ks.shape == kz.shape == (n_pool, h_kv, head_dim)
+    assert ks.stride() == kz.stride() and group_table.shape[0] == batch
+    assert group_count.shape == (batch,) and group_count.is_contiguous()
+    assert group_table.dtype == group_count.dtype == kc.dtype == torch.int32
+    # The contract's width (the longest request's tokens) costs one host sync, as the
+    # reference's does; the logits of a step are then one launch.
+    width = int(group_count.max()) if batch else 0
+    out = torch.empty(batch, h_q, width * tokens, dtype=torch.float32, device=q.device)
+    if width == 0:
+        return out
+    group = h_q // h_kv
+    _quant_logits_kernel[(batch * h_kv, width)](
+        q, kc, ks, kz, group_table, group_count, out,
+        *q.stride(), *kc.stride(), *ks.stride(), *group_table.stride(), *out.stride()[:2], scale,
+        H_KV=h_kv, GROUP=group, HEAD_DIM=head_dim, TOKENS=tokens, BITS=fmt.bits,
+        IEEE=q.dtype == torch.float32, BLOCK_R=max(_MIN_DOT, triton.next_power_of_2(group)),
+        BLOCK_T=max(_MIN_DOT, triton.next_power_of_2(tokens)),
+        BLOCK_D=max(_MIN_DOT, triton.next_power_of_2(head_dim)))
+    return out

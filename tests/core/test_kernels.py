@@ -170,3 +170,19 @@ def test_dispatch_routes_to_kernels(monkeypatch):
     with ops.kernel_mode("torch"):
         ops.landmark_scores(*args)
     assert calls == ["cpu" if cpu_kernels.available() else "torch", "triton", "torch"]
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="inductor needs a C++ compiler")
+def test_compiled_kernels_keep_one_graph_when_sizes_stop_coinciding():
+    """A decode step's miss count changes every step. With duck sizing, a first trace where
+    the rows happened to equal head_dim (128) guarded them equal and the next step recompiled
+    (about 1 s mid-decode); the kernels trace without it."""
+    from torch._dynamo.utils import counters
+
+    product = cpu_kernels._compiled(lambda rows, b: torch.matmul(rows, b))
+    product(torch.randn(2, 128, 16), torch.randn(2, 16, 128))  # rows == head_dim
+    graphs = counters["stats"]["unique_graphs"]
+    for n in (40, 128, 7, 300):
+        got = product(torch.randn(2, n, 16), torch.randn(2, 16, 128))
+        assert got.shape == (2, n, 128)
+    assert counters["stats"]["unique_graphs"] == graphs

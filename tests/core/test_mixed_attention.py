@@ -192,23 +192,24 @@ def test_mixed_attention_equals_the_mixed_cache(impl, case, kernel_device):
     torch.testing.assert_close(lse, want_lse, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("impl", IMPL_PARAMS[:2])  # the reference and the compiled CPU kernel
+@pytest.mark.parametrize("impl", IMPL_PARAMS)
 @pytest.mark.parametrize("case", MIXED_CASES, ids=_case_id)
-def test_quant_logits_and_top_k_match_brute_force(impl, case, monkeypatch):
+def test_quant_logits_and_top_k_match_brute_force(impl, case, kernel_device, monkeypatch):
     fmt, h_kv, gqa, _, counts, k = case
     monkeypatch.setattr(torch_path, "BLOCK_TOKENS", 2 * fmt.group * len(counts))  # 2-group blocks
-    r = Requests(fmt, h_kv, gqa, 1, counts, torch.bfloat16)
+    r = Requests(fmt, h_kv, gqa, 1, counts, torch.bfloat16, _device(impl, kernel_device))
     row = r.q[:, 0]  # [B, h_q, d]
     with ops.kernel_mode(KERNEL_MODES[impl]):
         logits = ops.quant_logits(row, r.pool, r.table, r.count, fmt, r.scale)
     assert logits.shape == (len(counts), h_kv * gqa, max(counts) * fmt.group)
+    logits = logits.cpu()
     other_lse = torch.randn(len(counts), h_kv * gqa) * 3  # the residual's share of each row
     chosen = top_k_tokens(logits, other_lse, h_kv, k)
     assert chosen.shape == (len(counts), h_kv, k) and chosen.dtype == torch.int32
     for b, count in enumerate(counts):
         keys, _ = r.dequantized(b)  # [S, h_kv, d]
-        heads_keys = keys.repeat_interleave(gqa, dim=1)  # [S, h_q, d]
-        want = torch.einsum("hd,shd->hs", row[b].float(), heads_keys) * r.scale
+        heads_keys = keys.cpu().repeat_interleave(gqa, dim=1)  # [S, h_q, d]
+        want = torch.einsum("hd,shd->hs", row[b].cpu().float(), heads_keys) * r.scale
         width = count * fmt.group
         torch.testing.assert_close(logits[b, :, :width], want, atol=1e-4, rtol=1e-4)
         assert torch.isinf(logits[b, :, width:]).all()

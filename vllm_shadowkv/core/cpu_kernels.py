@@ -18,6 +18,7 @@ import functools
 import shutil
 
 import torch
+from torch.fx.experimental import _config as fx_config
 
 from . import critical_channels
 from .rope import RopeCache, apply_rope
@@ -29,8 +30,21 @@ def available() -> bool:
     return shutil.which("g++") is not None or shutil.which("c++") is not None
 
 
+def _without_duck_sizing(compiled):
+    """Duck sizing gives dimensions of equal size at the first trace one symbol (128 missed key
+    rows and head_dim 128), so the next step's other miss count recompiles mid-decode (about
+    1 s on the CPU). Tracing without it keeps one graph for every size."""
+
+    @functools.wraps(compiled)
+    def call(*args):
+        with fx_config.patch(use_duck_shape=False):
+            return compiled(*args)
+
+    return call
+
+
 def _compiled(fn):
-    return torch.compile(fn, dynamic=True, fullgraph=True)
+    return _without_duck_sizing(torch.compile(fn, dynamic=True, fullgraph=True))
 
 
 # Each dtype, head size and RoPE style is a graph of its own; a server sees one or two, the
@@ -139,7 +153,7 @@ def _quant_block(bits: int):
         out = out / denom.clamp_min(torch.finfo(torch.float32).tiny)
         return out, (row_max + torch.log(denom)).squeeze(-1)  # log(0) = -inf: no keys
 
-    return block
+    return _without_duck_sizing(block)
 
 
 def _per_kv_head(field: torch.Tensor, ids: torch.Tensor, batch: int, h_kv: int) -> torch.Tensor:
@@ -167,7 +181,7 @@ def _logits_block(bits: int):
         logits = (q.float()[:, :, None, None, :] * k[:, None]).sum(-1).flatten(-2) * scale
         return logits.masked_fill(~valid[:, None, :], float("-inf"))
 
-    return block
+    return _without_duck_sizing(block)
 
 
 def quant_logits(q, groups, group_table, group_count, fmt, scale):

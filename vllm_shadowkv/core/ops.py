@@ -88,7 +88,6 @@ def quant_attention(q, groups, group_table, group_count, fmt, scale, excluded=No
 
 
 def quant_logits(q, groups, group_table, group_count, fmt, scale):
-    # No Triton kernel yet: on CUDA the reference, which dequantizes one block of groups at a
-    # time (quant_attention.BLOCK_TOKENS), never the whole context.
-    impl = cpu_kernels if _compiled_cpu(q) else mixed_attention
+    impl = (_kernels("quant_kernels") if _use_triton(q)
+            else cpu_kernels if _compiled_cpu(q) else mixed_attention)
     return impl.quant_logits(q, groups, group_table, group_count, fmt, scale)
