@@ -210,6 +210,26 @@ def test_causal_attention_matches_masked_sdpa(q_len, s_len):
     torch.testing.assert_close(causal_attention(q, k, v, 0.25), ref)
 
 
+@pytest.mark.parametrize("q_len, s_len, h_q, h_kv, d", [
+    (1, 777, 8, 2, 64), (300, 300, 9, 3, 64), (129, 1000, 32, 8, 128), (5, 5, 4, 1, 96)])
+def test_vllm_cpu_kernel_path_matches_masked_sdpa(q_len, s_len, h_q, h_kv, d):
+    """16-bit inputs at head sizes vLLM's CPU kernel takes go through it (prefill, a later
+    chunk, dense decode), against SDPA in fp32."""
+    from vllm_shadowkv.backend.exact_attention import _vllm_cpu_attention
+
+    g = torch.Generator().manual_seed(q_len + s_len + d)
+    q, k, v = (torch.randn(n, h, d, generator=g).bfloat16()
+               for n, h in ((q_len, h_q), (s_len, h_kv), (s_len, h_kv)))
+    mask = torch.arange(s_len)[None] <= torch.arange(s_len - q_len, s_len)[:, None]
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1).float(), k.transpose(0, 1).float(), v.transpose(0, 1).float(),
+        attn_mask=mask, enable_gqa=True, scale=d ** -0.5).transpose(0, 1)
+    direct = _vllm_cpu_attention(q, k, v, d ** -0.5)
+    assert direct is not None  # the kernel took these shapes
+    torch.testing.assert_close(direct.float(), ref, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(causal_attention(q, k, v, d ** -0.5), direct, atol=0, rtol=0)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_paged_sparse_decode_on_cuda_matches_cpu():
     """The backend's per-request path as the engine runs it on a GPU (pages in device memory,

@@ -41,7 +41,8 @@ def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     accumulation.
     """
     if query.device.type == "cpu":
-        return causal_attention_cpu(query, key, value, scale)[0]
+        out = _vllm_cpu_attention(query, key, value, scale)
+        return out if out is not None else causal_attention_cpu(query, key, value, scale)[0]
     q_len, s_len = query.shape[0], key.shape[0]
     mask = None
     if 1 < q_len < s_len:  # a later prefill chunk: query i sits at position s - q + i
@@ -51,6 +52,52 @@ def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
         query.transpose(0, 1)[None], key.transpose(0, 1)[None], value.transpose(0, 1)[None],
         attn_mask=mask, is_causal=1 < q_len == s_len, scale=scale, enable_gqa=True)
     return out[0].transpose(0, 1)
+
+
+_VLLM_CPU_BLOCK = 128  # a multiple of 32: every ISA of vLLM's CPU kernels takes it
+_VLLM_CPU_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _vllm_cpu_attention(query, key, value, scale) -> torch.Tensor | None:
+    """The same attention through vLLM's own CPU kernel, what its default CPU backend runs
+    (1.15x torch's flash kernel on a 4K SmolLM2 prefill layer), over a one-request paged cache
+    filled with ``key``/``value``; None where it does not apply (no CPU build of vLLM, a head
+    size or dtype it does not take), and the caller uses torch's flash kernel."""
+    try:
+        from vllm import _custom_ops as ops
+        from vllm import envs
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, _get_attn_isa
+    except ImportError:
+        return None
+    q_len, h_q, head_dim = query.shape
+    s_len, h_kv, _ = key.shape
+    if (not hasattr(torch.ops._C, "cpu_attention_with_kv_cache") or s_len == 0
+            or head_dim not in CPUAttentionBackend.get_supported_head_sizes()
+            or query.dtype not in _VLLM_CPU_DTYPES or not query.dtype == key.dtype == value.dtype):
+        return None
+    block = _VLLM_CPU_BLOCK
+    isa = _get_attn_isa(query.dtype, block, head_dim, "auto")
+    blocks = -(-s_len // block)
+    # As CPUAttentionBackendImpl splits its cache: [blocks, h, 2 * block, d] -> K, V.
+    cache = torch.empty(blocks, h_kv, 2 * block, head_dim, dtype=key.dtype)
+    cache[-1].zero_()  # the kernel reads the last block whole: no NaN from unwritten slots
+    key_cache, value_cache = cache.chunk(2, dim=2)
+    ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache,
+                                   torch.arange(s_len, dtype=torch.long), isa)
+    seq_lens = torch.tensor([s_len], dtype=torch.int32)
+    query_start_loc = torch.tensor([0, q_len], dtype=torch.int32)
+    metadata = ops.cpu_attn_get_scheduler_metadata(
+        num_reqs=1, num_heads=h_q, num_kv_heads=h_kv, head_dim=head_dim, seq_lens=seq_lens,
+        dtype=query.dtype, query_start_loc=query_start_loc, causal=True, sliding_window_size=-1,
+        isa=isa, enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV, kv_cache_dtype="auto")
+    out = torch.empty(q_len, h_q, head_dim, dtype=query.dtype)
+    ops.cpu_attention_with_kv_cache(
+        query=query.contiguous(), key_cache=key_cache, value_cache=value_cache, output=out,
+        query_start_loc=query_start_loc, seq_lens=seq_lens, scale=scale, causal=True,
+        alibi_slopes=None, sliding_window=-1,
+        block_table=torch.arange(blocks, dtype=torch.int32)[None], softcap=0,
+        scheduler_metadata=metadata, s_aux=None, kv_cache_dtype="auto")
+    return out
 
 
 def exact_attention(kv_cache, layout: PageLayout, prompt_len: int, block_ids, seq_len: int,
