@@ -1,0 +1,72 @@
+"""cProfile of decode steps inside a real vLLM engine (engine core in-process), one request.
+
+  .venv/bin/python benchmarks/profile_engine_decode.py --method minikv --context 8192 \\
+      --out benchmarks/profiles/minikv_decode_8k.txt
+
+The model defaults to the local Llama-3.1-8B-shape model (2 layers). The prompt (random token
+ids) is prefilled, 3 decode steps warm the compiled kernels, then ``--steps`` decode steps run
+under cProfile. Written: ms per step (cProfile's overhead included) and the functions by
+cumulative time. For where the time goes, not for ratios (benchmarks/throughput.py).
+"""
+
+import argparse
+import cProfile
+import io
+import json
+import os
+import pstats
+import random
+import time
+from pathlib import Path
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--method", default="shadowkv", help="a method, or 'default'")
+    parser.add_argument("--settings", default='{"min_sparse_len": 1024}', help="JSON")
+    parser.add_argument("--context", type=int, default=8192)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--model", default=None, help="default: the local llama8b-shape model")
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process
+
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from vllm_shadowkv.introspect import EXTENSION_CLASS
+    from vllm_shadowkv.models import build_model
+
+    model = args.model or str(build_model("llama8b-shape"))
+    kwargs = {}
+    if args.method != "default":
+        kwargs = {"attention_backend": args.method, "worker_extension_cls": EXTENSION_CLASS,
+                  "additional_config": {args.method: json.loads(args.settings)}}
+    llm = LLM(model=model, max_model_len=args.context + args.steps + 8, enforce_eager=True,
+              enable_prefix_caching=False, seed=0, kv_cache_memory_bytes=400 << 20, **kwargs)
+    engine = llm.llm_engine
+    rng = random.Random(args.context)
+    prompt = TokensPrompt(prompt_token_ids=[rng.randrange(256) for _ in range(args.context)])
+    engine.add_request("r", prompt, SamplingParams(temperature=0.0, max_tokens=args.steps + 5,
+                                                   ignore_eos=True))
+    for _ in range(4):  # the prefill, then 3 decode steps
+        engine.step()
+    profiler = cProfile.Profile()
+    start, steps = time.perf_counter(), 0
+    profiler.enable()
+    while engine.has_unfinished_requests() and steps < args.steps:
+        engine.step()
+        steps += 1
+    profiler.disable()
+    per_step = 1000 * (time.perf_counter() - start) / steps
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(60)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(f"{args.method} at {args.context} tokens, settings {args.settings}: "
+                        f"{per_step:.1f} ms per decode step over {steps} steps (under cProfile)"
+                        f"\n{text.getvalue()}")
+    print(f"{per_step:.1f} ms per step; wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
