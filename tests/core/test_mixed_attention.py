@@ -95,6 +95,7 @@ CASES = [
     (KiviFormat(2, 16, 96, 16), 1, 8, 2, [1, 4], 20),
     (KiviFormat(2, 32, 64, 16), 2, 1, 1, [2, 5, 1], 7),
     (KiviFormat(1, 64, 64, 64, midpoint_one_bit=False), 1, 4, 2, [1, 2], 64),  # all of request 0
+    (KiviFormat(2, 16, 64, 16), 2, 4, 1, [5], 9),  # one request: its gathered groups are a view
 ]
 
 

@@ -142,7 +142,7 @@ def _quant_block(bits: int):
         codes = ((key_codes.unsqueeze(-1) >> shifts) & code_mask).view(rows, n, tokens, head_dim)
         k = codes.float() * key_scale.float().unsqueeze(2) + key_zero.float().unsqueeze(2)
         logits = torch.matmul(q.float().reshape(rows, s_q * group, head_dim),
-                              k.view(rows, n * tokens, head_dim).transpose(1, 2))
+                              k.reshape(rows, n * tokens, head_dim).transpose(1, 2))
         logits = (logits * scale).masked_fill(~valid[:, None, :], float("-inf"))
         row_max = logits.amax(-1, keepdim=True)
         row_max = torch.where(torch.isinf(row_max), torch.zeros_like(row_max), row_max)
@@ -152,7 +152,7 @@ def _quant_block(bits: int):
         codes = ((value_codes.unsqueeze(-1) >> shifts) & code_mask).view(
             rows, n, tokens, groups, head_dim // groups)
         v = codes.float() * value_scale.float().unsqueeze(-1) + value_zero.float().unsqueeze(-1)
-        out = torch.matmul(p, v.view(rows, n * tokens, head_dim))
+        out = torch.matmul(p, v.reshape(rows, n * tokens, head_dim))
         out = out / denom.clamp_min(torch.finfo(torch.float32).tiny)
         lse = (row_max + torch.log(denom)).view(rows, s_q, group)  # log(0) = -inf: no keys
         return out.view(rows, s_q, group, head_dim), lse
@@ -184,7 +184,7 @@ def _logits_block(bits: int):
         shifts = torch.arange(per_word, device=q.device, dtype=torch.int32) * bits
         codes = ((key_codes.unsqueeze(-1) >> shifts) & code_mask).view(rows, n, tokens, head_dim)
         k = codes.float() * key_scale.float().unsqueeze(2) + key_zero.float().unsqueeze(2)
-        logits = torch.matmul(q.float(), k.view(rows, n * tokens, head_dim).transpose(1, 2))
+        logits = torch.matmul(q.float(), k.reshape(rows, n * tokens, head_dim).transpose(1, 2))
         return (logits * scale).masked_fill(~valid[:, None, :], float("-inf"))
 
     return _without_duck_sizing(block)
