@@ -3,6 +3,7 @@ for short requests and for the final attention of a method that rebuilds exact K
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 import torch
@@ -58,25 +59,37 @@ _VLLM_CPU_BLOCK = 128  # a multiple of 32: every ISA of vLLM's CPU kernels takes
 _VLLM_CPU_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
+@functools.cache
+def _vllm_cpu_isa(dtype: torch.dtype, head_dim: int) -> str | None:
+    """The ISA vLLM's CPU kernel runs for these inputs; None without a CPU build of vLLM or
+    for a head size it does not take (checked once per dtype and head size, not per call)."""
+    try:
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, _get_attn_isa
+    except ImportError:
+        return None
+    if (not hasattr(torch.ops._C, "cpu_attention_with_kv_cache")
+            or head_dim not in CPUAttentionBackend.get_supported_head_sizes()):
+        return None
+    return _get_attn_isa(dtype, _VLLM_CPU_BLOCK, head_dim, "auto")
+
+
 def _vllm_cpu_attention(query, key, value, scale) -> torch.Tensor | None:
     """The same attention through vLLM's own CPU kernel, what its default CPU backend runs
     (1.15x torch's flash kernel on a 4K SmolLM2 prefill layer), over a one-request paged cache
     filled with ``key``/``value``; None where it does not apply (no CPU build of vLLM, a head
     size or dtype it does not take), and the caller uses torch's flash kernel."""
-    try:
-        from vllm import _custom_ops as ops
-        from vllm import envs
-        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, _get_attn_isa
-    except ImportError:
-        return None
     q_len, h_q, head_dim = query.shape
     s_len, h_kv, _ = key.shape
-    if (not hasattr(torch.ops._C, "cpu_attention_with_kv_cache") or s_len == 0
-            or head_dim not in CPUAttentionBackend.get_supported_head_sizes()
-            or query.dtype not in _VLLM_CPU_DTYPES or not query.dtype == key.dtype == value.dtype):
+    if (s_len == 0 or query.dtype not in _VLLM_CPU_DTYPES
+            or not query.dtype == key.dtype == value.dtype):
         return None
+    isa = _vllm_cpu_isa(query.dtype, head_dim)
+    if isa is None:
+        return None
+    from vllm import _custom_ops as ops
+    from vllm import envs
+
     block = _VLLM_CPU_BLOCK
-    isa = _get_attn_isa(query.dtype, block, head_dim, "auto")
     blocks = -(-s_len // block)
     # As CPUAttentionBackendImpl splits its cache: [blocks, h, 2 * block, d] -> K, V.
     cache = torch.empty(blocks, h_kv, 2 * block, head_dim, dtype=key.dtype)

@@ -118,13 +118,26 @@ def channel_scores(q, keys_cm, channels, key_start, prompt_len, sink, recent, ma
                                                 sink, recent, max_len, _partial_scores)
 
 
+def _unpacked(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """[..., W] int32 words -> [..., W * 32 / bits] codes (inlined into the compiled blocks)."""
+    shifts = torch.arange(32 // bits, device=codes.device, dtype=torch.int32) * bits
+    return ((codes.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)).flatten(-2)
+
+
+def _dequantized_keys(key_codes, key_scale, key_zero, bits: int) -> torch.Tensor:
+    """codes [R, n, T, W], scale/zero [R, n, d] -> keys [R, n * T, d] fp32."""
+    rows, n, tokens, _ = key_codes.shape
+    k = _unpacked(key_codes, bits).float() * key_scale.float().unsqueeze(2) \
+        + key_zero.float().unsqueeze(2)
+    return k.reshape(rows, n * tokens, -1)
+
+
 @functools.cache
 def _quant_block(bits: int):
     """The compiled attention over one block of gathered groups, for ``bits``-bit codes. The
     bit widths must be constants of the graph: symbolic (an argument, or a closure under
     ``dynamic=True``) they made the unpacking 10x slower; ``dynamic=None`` still makes the
     sizes dynamic once they change."""
-    per_word, code_mask = 32 // bits, (1 << bits) - 1
 
     @functools.partial(torch.compile, dynamic=None, fullgraph=True)
     def block(q: torch.Tensor, key_codes: torch.Tensor, key_scale: torch.Tensor,
@@ -138,19 +151,15 @@ def _quant_block(bits: int):
         The block is bounded (quant_attention.BLOCK_TOKENS), never the whole context."""
         rows, n, tokens, _ = key_codes.shape
         s_q, group, head_dim = q.shape[1:]
-        shifts = torch.arange(per_word, device=q.device, dtype=torch.int32) * bits
-        codes = ((key_codes.unsqueeze(-1) >> shifts) & code_mask).view(rows, n, tokens, head_dim)
-        k = codes.float() * key_scale.float().unsqueeze(2) + key_zero.float().unsqueeze(2)
-        logits = torch.matmul(q.float().reshape(rows, s_q * group, head_dim),
-                              k.reshape(rows, n * tokens, head_dim).transpose(1, 2))
+        k = _dequantized_keys(key_codes, key_scale, key_zero, bits)
+        logits = torch.matmul(q.float().reshape(rows, s_q * group, head_dim), k.transpose(1, 2))
         logits = (logits * scale).masked_fill(~valid[:, None, :], float("-inf"))
         row_max = logits.amax(-1, keepdim=True)
         row_max = torch.where(torch.isinf(row_max), torch.zeros_like(row_max), row_max)
         p = torch.exp(logits - row_max)
         denom = p.sum(-1, keepdim=True)
         groups = value_scale.shape[-1]
-        codes = ((value_codes.unsqueeze(-1) >> shifts) & code_mask).view(
-            rows, n, tokens, groups, head_dim // groups)
+        codes = _unpacked(value_codes, bits).view(rows, n, tokens, groups, head_dim // groups)
         v = codes.float() * value_scale.float().unsqueeze(-1) + value_zero.float().unsqueeze(-1)
         out = torch.matmul(p, v.reshape(rows, n * tokens, head_dim))
         out = out / denom.clamp_min(torch.finfo(torch.float32).tiny)
@@ -171,7 +180,6 @@ def _per_kv_head(field: torch.Tensor, ids: torch.Tensor, batch: int, h_kv: int) 
 def _logits_block(bits: int):
     """The compiled logits of one query row per (request, KV head) over one block of gathered
     key groups (``bits`` a graph constant, as in ``_quant_block``)."""
-    per_word, code_mask = 32 // bits, (1 << bits) - 1
 
     @functools.partial(torch.compile, dynamic=None, fullgraph=True)
     def block(q: torch.Tensor, key_codes: torch.Tensor, key_scale: torch.Tensor,
@@ -179,12 +187,8 @@ def _logits_block(bits: int):
         """q [R, g, d]; codes [R, n, T, W], scale/zero [R, n, d]; valid [R, n * T] -> logits
         [R, g, n * T] fp32 (-inf where not valid): the block's keys dequantized in one fused
         pass, then one GEMM (as in ``_quant_block``)."""
-        rows, n, tokens, _ = key_codes.shape
-        head_dim = q.shape[-1]
-        shifts = torch.arange(per_word, device=q.device, dtype=torch.int32) * bits
-        codes = ((key_codes.unsqueeze(-1) >> shifts) & code_mask).view(rows, n, tokens, head_dim)
-        k = codes.float() * key_scale.float().unsqueeze(2) + key_zero.float().unsqueeze(2)
-        logits = torch.matmul(q.float(), k.reshape(rows, n * tokens, head_dim).transpose(1, 2))
+        k = _dequantized_keys(key_codes, key_scale, key_zero, bits)
+        logits = torch.matmul(q.float(), k.transpose(1, 2))
         return (logits * scale).masked_fill(~valid[:, None, :], float("-inf"))
 
     return _without_duck_sizing(block)
