@@ -6,11 +6,11 @@ misbehaving. ``apply_all`` is idempotent (vLLM loads plugins several times per p
 """
 
 from vllm_shadowkv.patches import (cpu_backend_selection, guess_config, guess_row,
-                                   layer_kv_spec, model_runner_v1, predicted_query,
-                                   runner_requests, startup_validation)
+                                   kernel_warm_up, layer_kv_spec, model_runner_v1,
+                                   predicted_query, runner_requests, startup_validation)
 
 PATCHES = (cpu_backend_selection, startup_validation, runner_requests, layer_kv_spec,
-           model_runner_v1, guess_row, guess_config, predicted_query)
+           model_runner_v1, guess_row, guess_config, predicted_query, kernel_warm_up)
 
 
 class PatchTargetChanged(RuntimeError):

@@ -32,6 +32,8 @@ def test_defaults_start_and_run_compressed(method, model, key_width, tmp_path):
     requests = list((stats["finished"] | stats["requests"]).values())
     assert [r["mode"] for r in requests] == ["sparse"]
     assert stats["method"] == method
+    # the decode kernels were compiled at start-up (patches/kernel_warm_up.py)
+    assert "decode kernels compiled in" in result["log"]
     if method == "tailorkv":  # layer 0 quantized, the others fetch their top-k from the store
         assert stats["settings"]["q_layers"] == [0]
         assert requests[0]["bytes_fetched"] > 0 and requests[0]["hits"] > 0
@@ -45,7 +47,7 @@ def test_plugin_is_silent_under_the_default_backend(tiny_model, tmp_path):
     # vLLM's log names the file of each line; none of the plugin's may speak, nor vLLM's
     # registry about the plugin's names. (The model's path contains "vllm_shadowkv".)
     ours = ("[plugin.py", "[engine_check.py", "[worker_state.py", "[runner_requests.py",
-            "[kv_spec.py", "Registered new attention backend", "host store")
+            "[kv_spec.py", "[kernel_warm_up.py", "Registered new attention backend", "host store")
     for line in result["log"].splitlines():
         assert not any(mark in line for mark in ours), f"the plugin logged: {line}"
     assert "Resolved architecture" in result["log"]  # the log was captured

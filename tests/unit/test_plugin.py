@@ -89,6 +89,11 @@ def test_patches_are_installed_on_the_live_vllm():
     from vllm.model_executor.layers.attention.attention import Attention
 
     assert Attention.get_kv_cache_spec._shadowkv_original is not None
+    from vllm.v1.worker.cpu_worker import CPUWorker
+    from vllm.v1.worker.gpu_worker import Worker
+
+    for worker in (Worker, CPUWorker):  # patches/kernel_warm_up.py
+        assert worker.compile_or_warm_up_model._shadowkv_original is not None
 
 
 def test_released_requests_are_finished_preempted_and_resumed():

@@ -30,13 +30,19 @@ def available() -> bool:
     return shutil.which("g++") is not None or shutil.which("c++") is not None
 
 
-def _without_duck_sizing(compiled):
-    """Duck sizing gives dimensions of equal size at the first trace one symbol (128 missed key
-    rows and head_dim 128), so the next step's other miss count recompiles mid-decode (about
-    1 s on the CPU). Tracing without it keeps one graph for every size."""
+def _one_graph(compiled, dynamic_dims: tuple[tuple[int, ...], ...] = ()):
+    """One graph for every size a server meets. Duck sizing gives dimensions of equal size at the
+    first trace one symbol (128 missed key rows and head_dim 128), so the next step's other miss
+    count recompiled mid-decode (about 1 s on the CPU): traced without it. ``dynamic_dims``
+    (per positional argument, the dims whose size varies between calls) are marked dynamic at
+    the first trace of a ``dynamic=None`` function, whose other sizes stay constants of the
+    graph; unmarked, each size seen changing compiled yet another graph."""
 
     @functools.wraps(compiled)
     def call(*args):
+        for arg, dims in zip(args, dynamic_dims):
+            for dim in dims:
+                torch._dynamo.maybe_mark_dynamic(arg, dim)
         with fx_config.patch(use_duck_shape=False):
             return compiled(*args)
 
@@ -44,7 +50,7 @@ def _without_duck_sizing(compiled):
 
 
 def _compiled(fn):
-    return _without_duck_sizing(torch.compile(fn, dynamic=True, fullgraph=True))
+    return _one_graph(torch.compile(fn, dynamic=True, fullgraph=True))
 
 
 # Each dtype, head size and RoPE style is a graph of its own; a server sees one or two, the
@@ -166,7 +172,8 @@ def _quant_block(bits: int):
         lse = (row_max + torch.log(denom)).view(rows, s_q, group)  # log(0) = -inf: no keys
         return out.view(rows, s_q, group, head_dim), lse
 
-    return _without_duck_sizing(block)
+    # rows (requests x KV heads), query rows, groups per block vary; the rest is the format's
+    return _one_graph(block, ((0, 1),) + ((0, 1),) * 6 + ((0, 1),))
 
 
 def _per_kv_head(field: torch.Tensor, ids: torch.Tensor, batch: int, h_kv: int) -> torch.Tensor:
@@ -191,7 +198,7 @@ def _logits_block(bits: int):
         logits = torch.matmul(q.float(), k.transpose(1, 2))
         return (logits * scale).masked_fill(~valid[:, None, :], float("-inf"))
 
-    return _without_duck_sizing(block)
+    return _one_graph(block, ((0,),) + ((0, 1),) * 3 + ((0, 1),))
 
 
 def quant_logits(q, groups, group_table, group_count, fmt, scale):

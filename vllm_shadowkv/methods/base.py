@@ -236,6 +236,11 @@ class KVMethod(ABC):
         ``key``/``value`` ``[n, Hkv, d]`` hold the whole batch; ``reqs`` says which rows are
         whose. This step's K/V are already in the generated-token pages."""
 
+    def warm_up_layers(self) -> tuple[int, ...]:
+        """One layer of each kind this method has (layers of one kind run the same kernels with
+        the same graph-constant sizes): what the start-up warm-up runs (backend/warm_up.py)."""
+        return (0,)
+
     def release(self, req_id: str) -> None:
         """The request finished, was aborted or preempted (its pages and store rows are gone):
         drop what the method keeps about it on the side (index plans, caches)."""
