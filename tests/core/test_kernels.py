@@ -56,6 +56,42 @@ def test_landmark_scores(group, head_dim, dtype, impl, kernel_device):
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.skipif(not cpu_kernels.available(), reason="inductor needs a C++ compiler")
+@pytest.mark.parametrize("group,head_dim,dtype", [(4, 64, torch.bfloat16), (1, 128, torch.float32)])
+def test_landmark_scores_read_the_pages_in_place(group, head_dim, dtype):
+    """The compiled kernel reads a request's landmark rows where they lie in its pages, as the
+    engine lays them out (each page: A rows, then ``per_page`` landmark rows), one view per run
+    of consecutive pages: requests in one run, in several (pages out of order), with a partly
+    filled last page, one row, and rows in no page pattern (gathered)."""
+    h_kv, per_page, a_elems, s_q = 2, 3, 40, 2
+    row = h_kv * head_dim
+    page = a_elems + per_page * row
+    flat = torch.randn(64 * page, dtype=torch.float32).to(dtype)
+    landmarks = torch.as_strided(flat, (flat.numel() - row + 1, h_kv, head_dim), (1, head_dim, 1))
+
+    def rows_in(pages, count):
+        ids = torch.tensor(pages)
+        lm = torch.arange(count)
+        return ids[lm // per_page] * page + a_elems + lm % per_page * row
+
+    requests = [rows_in([4, 5, 6, 7], 12), rows_in([10, 11, 20, 21, 22, 3], 17),
+                rows_in([30], 1), rows_in([40, 41, 42], 8), torch.randperm(60)[:9] * page,
+                rows_in([50, 49, 48], 9)]
+    lm_rows = torch.cat(requests)
+    counts = torch.tensor([len(r) for r in requests], dtype=torch.int32)
+    starts = torch.cumsum(counts, 0, dtype=torch.int32) - counts
+    kinds = [[(tuple(v.shape[:2]), n) for v, n in cpu_kernels._landmark_pages(landmarks, r)]
+             for r in requests]
+    assert kinds == [[((4, 3), 12)], [((2, 3), 6), ((3, 3), 9), ((1, 2), 2)], [((1, 1), 1)],
+                     [((2, 3), 6), ((1, 2), 2)], [((9, 1), 9)],
+                     [((1, 3), 3), ((1, 3), 3), ((1, 3), 3)]]
+    q = torch.randn(len(requests), s_q, h_kv * group, head_dim).to(dtype)
+    scale = head_dim ** -0.5
+    got = cpu_kernels.landmark_scores(q, landmarks, lm_rows, starts, counts, 17, scale)
+    want = select.landmark_scores(q, landmarks, lm_rows, starts, counts, 17, scale)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+
+
 def _check_selection(got, scores, counts, k):
     for b, n in enumerate(counts.tolist()):
         take = min(k, n)

@@ -6,10 +6,11 @@ top-k) and critical_channels.py (TailorKV's partial scores).
 
 Eager torch spends these stages copying: the landmarks converted to fp32 and permuted before
 a matmul with four columns, the missed A rows gathered by advanced indexing, RoPE as a dozen
-elementwise passes. Here the rows are gathered by ``index_select`` (the fastest gather on the
-CPU; gathering inside the compiled loops measured 2x to 5x slower) and the rest is compiled:
-the scoring one fused pass over the gathered landmarks, the rebuild matmul + RoPE (measured in
-benchmarks/RESULTS.md). Tested against the references in tests/core/test_kernels.py.
+elementwise passes. Here the scoring reads each request's landmark rows in place, as strided
+views of its runs of pages (a gather of 16K rows at 128K cost as much as the scoring itself;
+an index gather inside the compiled loop ran 2x to 5x slower), the missed A rows are gathered
+by ``index_select`` and the rest is compiled: the scoring one fused pass per run of pages, the
+rebuild matmul + RoPE (measured in benchmarks/RESULTS.md). Tested against the references in tests/core/test_kernels.py.
 """
 
 from __future__ import annotations
@@ -59,15 +60,67 @@ torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
 
 
 @_compiled
-def _request_scores(q: torch.Tensor, landmarks: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [s_q, h_q, d]; landmarks [n, h_kv, d] -> [h_kv, n] (see select.landmark_scores).
-    One pass: the products, the softmax over landmarks and the reductions fused (an indirect
-    gather inside the compiled loop was 5x slower than gathering first)."""
+def _page_logits(q: torch.Tensor, pages: torch.Tensor, count: int, scale: float) -> torch.Tensor:
+    """q [s_q, h_q, d]; pages [m, p, h_kv, d]: landmark rows in place (any strides), the first
+    ``count`` valid -> logits [s_q, h_kv, g, count] fp32 (landmarks last: the softmax's rows).
+    One pass, the products and the reduction over d fused (reading the pages in place: a gather
+    first cost as much as this)."""
     s_q, h_q, head_dim = q.shape
-    h_kv = landmarks.shape[1]
+    h_kv = pages.shape[2]
     qg = q.float().reshape(s_q, h_kv, h_q // h_kv, head_dim)
-    logits = (landmarks.float()[:, None, :, None, :] * qg[None]).sum(-1) * scale  # [n,s,h,g]
-    return torch.softmax(logits, dim=0).sum(dim=1).amax(dim=-1).T
+    logits = (pages.float()[:, :, None, :, None, :] * qg[None, None]).sum(-1) * scale
+    return logits.flatten(0, 1)[:count].permute(1, 2, 3, 0).contiguous()
+
+
+@_compiled
+def _chunk_scores(logits: torch.Tensor) -> torch.Tensor:
+    """[s_q, h_kv, g, n] -> [h_kv, n]: softmax over the landmarks, sum over the query tokens,
+    max over the group's query heads (see select.landmark_scores)."""
+    return torch.softmax(logits, dim=-1).sum(dim=0).amax(dim=1)
+
+
+MAX_RUNS = 16  # more runs of pages than this: one gather, then one pass
+
+
+def _landmark_pages(landmarks: torch.Tensor, rows: torch.Tensor):
+    """One request's landmark rows as ``[(pages [m, p, h_kv, d], rows in them)]``: views in
+    place, one per run of full pages that lie at one stride (vLLM hands a request's blocks out
+    mostly in order, so a request is one or a few runs), each page holding ``p`` rows at one
+    stride, and the rows of a partly filled last page. Rows in no such pattern are gathered
+    (one view of them)."""
+    n = rows.numel()
+    if n < 2:
+        return _gathered(landmarks, rows)
+    steps = rows[1:] - rows[:-1]
+    page_starts = (steps != steps[0]).nonzero().flatten() + 1  # rows that open a page
+    per_page = int(page_starts[0]) if page_starts.numel() else n
+    full, tail = divmod(n, per_page)
+    if (page_starts.numel() != full + (tail > 0) - 1 or bool((page_starts % per_page).any())
+            or int(steps[0]) <= 0):
+        return _gathered(landmarks, rows)  # pages of unequal row counts, rows not ascending
+    firsts = rows[::per_page]
+    jumps = firsts[1:full] - firsts[:full - 1]
+    ascending = jumps[jumps > 0]  # (views take no negative strides)
+    stride = int(torch.mode(ascending).values) if ascending.numel() else 0
+    breaks = ((jumps != stride).nonzero().flatten() + 1).tolist()
+    if len(breaks) >= MAX_RUNS:
+        return _gathered(landmarks, rows)
+    row_stride, (s_n, s_h, s_d) = int(steps[0]), landmarks.stride()
+
+    def view(first_page: int, pages: int, per: int, page_stride: int):
+        return torch.as_strided(landmarks, (pages, per, *landmarks.shape[1:]),
+                                (page_stride * s_n, row_stride * s_n, s_h, s_d),
+                                landmarks.storage_offset() + int(firsts[first_page]) * s_n)
+
+    views = [(view(a, b - a, per_page, stride), (b - a) * per_page)
+             for a, b in zip([0, *breaks], [*breaks, full])]
+    if tail:
+        views.append((view(full, 1, tail, 0), tail))
+    return views
+
+
+def _gathered(landmarks: torch.Tensor, rows: torch.Tensor):
+    return [(torch.index_select(landmarks, 0, rows).unsqueeze(1), rows.numel())]
 
 
 def landmark_scores(q, landmarks, lm_rows, lm_start, lm_count, max_count, scale):
@@ -75,8 +128,10 @@ def landmark_scores(q, landmarks, lm_rows, lm_start, lm_count, max_count, scale)
     out = q.new_full((batch, landmarks.shape[1], max_count), -1.0, dtype=torch.float32)
     for i, (start, count) in enumerate(zip(lm_start.tolist(), lm_count.tolist())):
         if count:
-            rows = torch.index_select(landmarks, 0, lm_rows[start:start + count])
-            out[i, :, :count] = _request_scores(q[i], rows, scale)
+            logits = [_page_logits(q[i], pages, n, scale)
+                      for pages, n in _landmark_pages(landmarks, lm_rows[start:start + count])]
+            out[i, :, :count] = _chunk_scores(logits[0] if len(logits) == 1 else
+                                              torch.cat(logits, dim=-1))
     return out
 
 
