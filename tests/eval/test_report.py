@@ -5,19 +5,22 @@ import json
 from vllm_shadowkv.eval import report, run, tasks
 
 
-def _rec(backend, task, length, score, depth=0.5, decode=None, mode=None, hit=None):
+def _rec(backend, task, length, score, depth=0.5, decode=None, mode=None, hit=None,
+         fidelity=None):
     r = {"backend": backend, "task": task, "length": length, "depth": depth, "seed": 0,
          "score": score, "decode_score": decode}
     if mode is not None:
-        r.update(mode=mode, expected_sparse=True, hit_rate=hit, decode_steps=3)
+        r.update(mode=mode, expected_sparse=True, hit_rate=hit, decode_steps=3, **(fidelity or {}))
     return r
 
 
 RECORDS = [
     _rec("default", "niah_single", 4096, 1.0),
     _rec("default", "niah_multivalue", 4096, 1.0, decode=1.0),
-    _rec("shadowkv@3%", "niah_single", 4096, 1.0, mode="sparse", hit=0.5),
-    _rec("shadowkv@3%", "niah_multivalue", 4096, 0.5, decode=1 / 3, mode="sparse", hit=0.25),
+    _rec("shadowkv@3%", "niah_single", 4096, 1.0, mode="sparse", hit=0.5,
+         fidelity={"relative_error": 0.01, "chunk_recall": 0.75}),
+    _rec("shadowkv@3%", "niah_multivalue", 4096, 0.5, decode=1 / 3, mode="sparse", hit=0.25,
+         fidelity={"relative_error": 0.03, "chunk_recall": 0.25}),
 ]
 ENGINES = [{"backend": "default", "length": None, "settings": {}, "requests": 2, "seconds": 1.0},
            {"backend": "shadowkv@3%", "length": 4096, "requests": 2, "seconds": 2.0,
@@ -33,15 +36,24 @@ def test_summary_has_decode_accuracy_and_sparse_modes():
     single = [r for r in s["by_task"] if r["task"] == "niah_single"]
     assert all(r["decode_accuracy"] is None and r["decode_samples"] == 0 for r in single)
     assert s["by_length"] == [{"backend": "shadowkv@3%", "length": 4096, "requests": 2,
-                               "sparse": 2, "hit_rate": 0.375, "speculation_hit_rate": None}]
+                               "sparse": 2, "hit_rate": 0.375, "speculation_hit_rate": None,
+                               "relative_error": 0.02, "chunk_recall": 0.5}]
 
 
 def test_markdown_tables():
     md = report.markdown(report.summarize(RECORDS), ["default", "shadowkv@3%"], ENGINES)
     assert "| niah_multivalue | 4096 | 100.0 | 50.0 |" in md
     assert "| niah_multivalue | 4096 | 100.0 (1) | 33.3 (1) |" in md
-    assert "| `shadowkv@3%` | 4096 | 120 | 2 | 2/2 | 0.38 | 2.0 |" in md
-    assert "| `default` | all |  |  |  |  | 1.0 |" in md
+    assert "| `shadowkv@3%` | 4096 | 120 | 2 | 2/2 | 0.38 | 0.0200 / 0.50 | 2.0 |" in md
+    assert "| `default` | all |  |  |  |  |  | 1.0 |" in md
+
+
+def test_fidelity_is_the_step_weighted_mean_over_layers():
+    stats = {"fidelity": {0: {"relative_error": 0.1, "chunk_recall": 1.0, "steps": 1},
+                          3: {"relative_error": 0.2, "chunk_recall": 0.5, "steps": 3}}}
+    got = run.fidelity(stats)
+    assert abs(got["relative_error"] - 0.175) < 1e-12 and abs(got["chunk_recall"] - 0.625) < 1e-12
+    assert run.fidelity({"fidelity": {}}) == {} and run.fidelity(None) == {}
 
 
 def test_merge_runs(tmp_path):

@@ -16,8 +16,9 @@ def summarize(records: list[dict]) -> dict:
     """Accuracy (%) per backend x task x length, and per backend x depth x length (needles).
 
     ``decode_accuracy``: the same over the answers that need decode steps (records whose
-    ``decode_score`` is not None; see run.decode_score). ``by_length``: for shadowkv records,
-    how many requests decoded sparsely and their mean hit rate."""
+    ``decode_score`` is not None; see run.decode_score). ``by_length``: for a method's records,
+    how many requests decoded sparsely, their mean hit rate and, measured with
+    ``measure_fidelity``, their mean relative error and chunk recall (run.fidelity)."""
     by_task, by_depth, decode, modes = (defaultdict(list) for _ in range(4))
     for r in records:
         key = (r["backend"], r["task"], r["length"])
@@ -39,7 +40,9 @@ def summarize(records: list[dict]) -> dict:
                        "sparse": sum(r["mode"] == "sparse" for r in rs),
                        "hit_rate": _avg([r["hit_rate"] for r in rs if r["mode"] == "sparse"]),
                        "speculation_hit_rate": _avg([r.get("speculation_hit_rate")
-                                                     for r in rs if r["mode"] == "sparse"])}
+                                                     for r in rs if r["mode"] == "sparse"]),
+                       **{name: _avg([r.get(name) for r in rs if r["mode"] == "sparse"])
+                          for name in ("relative_error", "chunk_recall")}}
                       for (b, n), rs in sorted(modes.items())],
     }
 
@@ -83,9 +86,11 @@ def markdown(summary: dict, backends: list[str], engines: list[dict] | None = No
     modes = {(r["backend"], r["length"]): r for r in summary.get("by_length", [])}
     if engines:
         lines += ["", "Engines (one per fixed spec, one per length for a ratio spec): settings, "
-                  "requests that decoded sparsely, their mean hit rate, engine wall time", "",
+                  "requests that decoded sparsely, their mean hit rate, their in-engine fidelity "
+                  "(with `measure_fidelity`: relative error against dense attention / chunk "
+                  "recall), engine wall time", "",
                   "| engine | length | sparse_budget | outlier_chunks | sparse requests | "
-                  "hit rate | seconds |", "|---|---:|---:|---:|---:|---:|---:|"]
+                  "hit rate | fidelity | seconds |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
         for e in engines:
             ns = [e["length"]] if e["length"] is not None else sorted(
                 n for b, n in modes if b == e["backend"]) or [None]
@@ -95,11 +100,13 @@ def markdown(summary: dict, backends: list[str], engines: list[dict] | None = No
                 if m and m.get("speculation_hit_rate") is not None:  # SpeCache's guess rows
                     hit += f" (guessed {m['speculation_hit_rate']:.2f})"
                 sparse = f"{m['sparse']}/{m['requests']}" if m else ""
+                fid = (f"{m['relative_error']:.4f} / {m['chunk_recall']:.2f}"
+                       if m and m.get("relative_error") is not None else "")
                 settings = e["settings"]
                 lines.append(
                     f"| `{e['backend']}` | {n if n is not None else 'all'} | "
                     f"{settings.get('sparse_budget', '')} | {settings.get('outlier_chunks', '')} | "
-                    f"{sparse} | {hit} | {e['seconds'] if j == 0 else ''} |")
+                    f"{sparse} | {hit} | {fid} | {e['seconds'] if j == 0 else ''} |")
     for b in backends:
         depth = {(r["depth"], r["length"]): r["accuracy"] for r in summary["by_depth"] if r["backend"] == b}
         if not depth:

@@ -130,6 +130,18 @@ def engines(specs, samples) -> list[tuple[backend_specs.BackendSpec, backend_spe
     return out
 
 
+def fidelity(stats: dict | None) -> dict:
+    """The request's in-engine fidelity (a method's ``measure_fidelity``): relative error of the
+    compressed attention against dense and the recall of the chunks that hold dense attention's
+    mass, averaged over layers and decode steps; empty without the measurement."""
+    layers = (stats or {}).get("fidelity") or {}
+    steps = sum(m["steps"] for m in layers.values())
+    if not steps:
+        return {}
+    return {name: sum(m[name] * m["steps"] for m in layers.values()) / steps
+            for name in ("relative_error", "chunk_recall")}
+
+
 def expected_sparse(spec, prompt_len: int) -> bool:
     """Whether the method compresses this prompt (shadowkv: and has chunks left to select from
     beyond its outliers, vllm_shadowkv.core.params)."""
@@ -236,7 +248,8 @@ def main(argv: list[str] | None = None) -> dict:
                                  "speculation_hit_rate": (stats["speculation_hit_rate"]
                                                           if stats and stats.get("speculated")
                                                           else None),
-                                 "decode_steps": stats["decode_steps"] if stats else None})
+                                 "decode_steps": stats["decode_steps"] if stats else None,
+                                 **fidelity(stats)})
         records += rows
         engine_rows.append({"backend": spec.label,
                             "length": samples[idx[0]].length if spec.per_length else None,
