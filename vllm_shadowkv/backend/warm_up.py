@@ -49,11 +49,14 @@ def warm_up(runner) -> float | None:
         if index not in layout.method.warm_up_layers() or kind in seen:
             continue
         seen.add(kind)
-        scratch = ScratchLayer(layout, index, impl.num_heads, impl._rope_of(layer), impl.scale,
-                               layer.kv_cache)
+        # Every tensor as in serving, for the graphs' guards (grad mode, inference-tensor keys):
+        # the pages made outside inference mode, as vLLM's KV cache is; the layer's RoPE cache
+        # (kept for serving) and all the rest under it, as vLLM runs the model.
+        with torch.inference_mode():
+            rope = impl._rope_of(layer)
+        scratch = ScratchLayer(layout, index, impl.num_heads, rope, impl.scale, layer.kv_cache)
         if not scratch.prompt_lens:
             continue  # no compressed request fits the context: nothing to compile
-        # under inference mode, as vLLM runs the model: grad mode is part of every graph's guards
         with torch.inference_mode(), kernel_mode(layout.method.settings.kernels):
             scratch.run()
         warmed += 1

@@ -59,17 +59,21 @@ def _compiled(fn):
 torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
 
 
-@_compiled
 def _page_logits(q: torch.Tensor, pages: torch.Tensor, count: int, scale: float) -> torch.Tensor:
     """q [s_q, h_q, d]; pages [m, p, h_kv, d]: landmark rows in place (any strides), the first
     ``count`` valid -> logits [s_q, h_kv, g, count] fp32 (landmarks last: the softmax's rows).
-    One pass, the products and the reduction over d fused (reading the pages in place: a gather
-    first cost as much as this)."""
+    Compiled (``_compiled_page_logits``): one pass, the products and the reduction over d fused
+    (reading the pages in place: a gather first cost as much as this)."""
     s_q, h_q, head_dim = q.shape
     h_kv = pages.shape[2]
     qg = q.float().reshape(s_q, h_kv, h_q // h_kv, head_dim)
     logits = (pages.float()[:, :, None, :, None, :] * qg[None, None]).sum(-1) * scale
     return logits.flatten(0, 1)[:count].permute(1, 2, 3, 0).contiguous()
+
+
+# Called only with two pages or more (a single page, a handful of rows, runs eagerly): sizes
+# 0 and 1 would each compile a graph of their own, in the middle of serving.
+_compiled_page_logits = _compiled(_page_logits)
 
 
 @_compiled
@@ -115,12 +119,16 @@ def _landmark_pages(landmarks: torch.Tensor, rows: torch.Tensor):
     views = [(view(a, b - a, per_page, stride), (b - a) * per_page)
              for a, b in zip([0, *breaks], [*breaks, full])]
     if tail:
-        views.append((view(full, 1, tail, 0), tail))
+        views.append((view(full, 1, tail, stride), tail))
     return views
 
 
 def _gathered(landmarks: torch.Tensor, rows: torch.Tensor):
-    return [(torch.index_select(landmarks, 0, rows).unsqueeze(1), rows.numel())]
+    """The rows copied out, as pages of two rows (the shape of the runs' graph) and a last row."""
+    n = rows.numel()
+    picked = torch.index_select(landmarks, 0, rows)
+    pairs = [(picked[: n - n % 2].unflatten(0, (-1, 2)), n - n % 2)] if n >= 2 else []
+    return pairs + ([(picked[n - 1:].unsqueeze(1), 1)] if n % 2 else [])
 
 
 def landmark_scores(q, landmarks, lm_rows, lm_start, lm_count, max_count, scale):
@@ -128,8 +136,10 @@ def landmark_scores(q, landmarks, lm_rows, lm_start, lm_count, max_count, scale)
     out = q.new_full((batch, landmarks.shape[1], max_count), -1.0, dtype=torch.float32)
     for i, (start, count) in enumerate(zip(lm_start.tolist(), lm_count.tolist())):
         if count:
-            logits = [_page_logits(q[i], pages, n, scale)
-                      for pages, n in _landmark_pages(landmarks, lm_rows[start:start + count])]
+            qi = q[i].clone()  # storage offset 0: an offset of 0 or 1 is a graph of its own
+            logits = [(_compiled_page_logits if len(pages) > 1 else _page_logits)(
+                qi, pages, n, scale)
+                for pages, n in _landmark_pages(landmarks, lm_rows[start:start + count])]
             out[i, :, :count] = _chunk_scores(logits[0] if len(logits) == 1 else
                                               torch.cat(logits, dim=-1))
     return out
