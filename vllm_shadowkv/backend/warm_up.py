@@ -4,8 +4,8 @@ The CPU kernels (torch.compile) and the Triton kernels compile on their first ca
 traced with static sizes compiles again when a size first changes (one request in the batch,
 then two): one to several seconds each, which otherwise land in the decode steps of the first
 long requests a server sees (measured: benchmarks/RESULTS.md, "TailorKV end to end at 16K").
-After vLLM's own warm-up (``patches/kernel_warm_up.py``), one layer of each kind
-(``KVMethod.warm_up_layers``) runs its method's real hooks on scratch pages and a scratch host
+After vLLM's own warm-up (``patches/kernel_warm_up.py``), the first layer of each kind on the
+worker (``KVMethod.layer_kind``) runs its method's real hooks on scratch pages and a scratch host
 store: two synthetic requests of different lengths prefilled, finalized, then decoded alone and
 together, so every kernel is compiled with its varying sizes already dynamic. Nothing of the
 engine's pages, store or request state is touched.
@@ -44,9 +44,9 @@ def warm_up(runner) -> float | None:
             continue
         layout = layer.get_kv_cache_spec(runner.vllm_config).layout
         index = impl._index_of(layer)
-        kind = (repr(layout.method.settings), index, impl.num_heads, impl.head_size,
-                layer.kv_cache.dtype)
-        if index not in layout.method.warm_up_layers() or kind in seen:
+        kind = (repr(layout.method.settings), layout.method.layer_kind(index), impl.num_heads,
+                impl.head_size, layer.kv_cache.dtype)
+        if kind in seen:
             continue
         seen.add(kind)
         # Every tensor as in serving, for the graphs' guards (grad mode, inference-tensor keys):

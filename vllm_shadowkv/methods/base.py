@@ -24,6 +24,7 @@ same for every layer, since the layers share the block table.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Hashable
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar
 
@@ -236,10 +237,11 @@ class KVMethod(ABC):
         ``key``/``value`` ``[n, Hkv, d]`` hold the whole batch; ``reqs`` says which rows are
         whose. This step's K/V are already in the generated-token pages."""
 
-    def warm_up_layers(self) -> tuple[int, ...]:
-        """One layer of each kind this method has (layers of one kind run the same kernels with
-        the same graph-constant sizes): what the start-up warm-up runs (backend/warm_up.py)."""
-        return (0,)
+    def layer_kind(self, layer: int) -> Hashable:
+        """Layers of one kind run the same kernels with the same graph-constant sizes: the
+        start-up warm-up (backend/warm_up.py) runs the first layer of each kind on a worker.
+        Default: one kind."""
+        return None
 
     def release(self, req_id: str) -> None:
         """The request finished, was aborted or preempted (its pages and store rows are gone):

@@ -49,12 +49,9 @@ class TailorKVMethod(MiniKVMethod):
         # Every layer an S-layer (nothing quantized) whose top-k takes the whole middle.
         return {"q_layers": [], "top_k": context_len, "group_size": 32, "residual": 32}
 
-    def warm_up_layers(self) -> tuple[int, ...]:
-        """The first Q-layer and the first S-layer."""
-        layers = range(self.shapes.num_layers)
-        first_q = next((i for i in layers if self.pages.quantized(i)), None)
-        first_s = next((i for i in layers if not self.pages.quantized(i)), None)
-        return tuple(i for i in (first_q, first_s) if i is not None)
+    def layer_kind(self, layer: int) -> bool:
+        """Q-layers and S-layers run different kernels."""
+        return self.pages.quantized(layer)
 
     # -- pages and store ------------------------------------------------------------------------
     def store_bytes(self, layer: int, prompt_len: int) -> int:
