@@ -208,6 +208,15 @@ def test_dispatch_routes_to_kernels(monkeypatch):
     assert calls == ["cpu" if cpu_kernels.available() else "torch", "triton", "torch"]
 
 
+def test_compiles_names_the_paths_that_compile_on_first_use():
+    cpu = torch.device("cpu")
+    assert ops.compiles(cpu) == cpu_kernels.available()  # "auto": the compiled CPU kernels
+    with ops.force_triton():
+        assert not ops.compiles(cpu)  # the interpreter
+    with ops.kernel_mode("torch"):
+        assert not ops.compiles(cpu)
+
+
 @pytest.mark.skipif(not cpu_kernels.available(), reason="inductor needs a C++ compiler")
 def test_compiled_kernels_keep_one_graph_when_sizes_stop_coinciding():
     """A decode step's miss count changes every step. With duck sizing, a first trace where

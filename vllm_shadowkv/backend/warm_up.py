@@ -22,7 +22,7 @@ import torch
 from vllm_shadowkv.backend.exact_attention import read_exact, write_exact
 from vllm_shadowkv.backend.layout import PageLayout
 from vllm_shadowkv.backend.worker_state import STATE, RequestStats
-from vllm_shadowkv.core.ops import kernel_mode
+from vllm_shadowkv.core.ops import compiles, kernel_mode
 from vllm_shadowkv.methods.base import LayerContext, RequestRows
 from vllm_shadowkv.store import CpuValueStore
 
@@ -58,6 +58,8 @@ def warm_up(runner) -> float | None:
         if not scratch.prompt_lens:
             continue  # no compressed request fits the context: nothing to compile
         with torch.inference_mode(), kernel_mode(layout.method.settings.kernels):
+            if not compiles(layer.kv_cache.device):
+                continue  # the references, or Triton's interpreter: nothing to compile
             scratch.run()
         warmed += 1
     return time.perf_counter() - start if warmed else None

@@ -43,6 +43,13 @@ def _use_triton(t: torch.Tensor) -> bool:
     return _mode == "triton"
 
 
+def compiles(device: torch.device) -> bool:
+    """Whether the kernels this mode runs on ``device`` compile on first use: the Triton kernels
+    on CUDA, the compiled CPU kernels; not the references, nor Triton's CPU interpreter."""
+    t = torch.empty(0, device=device)
+    return device.type == "cuda" if _use_triton(t) else _compiled_cpu(t)
+
+
 def _kernels(name: str):
     return importlib.import_module(f"vllm_shadowkv.triton_kernels.{name}")
 
