@@ -4,6 +4,7 @@ compressed; under vLLM's default backend the plugin says nothing."""
 import pytest
 from engine_utils import default_settings, generate_in_fresh_process
 
+from vllm_shadowkv.backend.warm_up import WARM_UP_ENV
 from vllm_shadowkv.methods import METHODS
 from vllm_shadowkv.models import build_model
 
@@ -26,7 +27,7 @@ def test_defaults_start_and_run_compressed(method, model, key_width, tmp_path):
         "model": str(build_model(model)), "attention_backend": method, "batches": [[LONG]],
         "max_tokens": 4, "engine_kwargs": {
             "max_model_len": 8192, "additional_config": {method: default_settings(method)}},
-    }, tmp_path)
+    }, tmp_path, env={WARM_UP_ENV: "1"})
     assert set(result["backends"].values()) == {method.upper()}
     stats = result["stats"][0]
     requests = list((stats["finished"] | stats["requests"]).values())

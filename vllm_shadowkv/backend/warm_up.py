@@ -13,6 +13,7 @@ engine's pages, store or request state is touched.
 
 from __future__ import annotations
 
+import os
 import time
 import weakref
 from collections import defaultdict
@@ -26,6 +27,7 @@ from vllm_shadowkv.core.ops import compiles, kernel_mode
 from vllm_shadowkv.methods.base import LayerContext, RequestRows
 from vllm_shadowkv.store import CpuValueStore
 
+WARM_UP_ENV = "SHADOWKV_WARM_UP"  # "0": no warm-up (the kernels compile in the first steps)
 EXTRA_TOKENS = 24  # the second request's prompt: longer, so that every count differs
 BATCHES = ((0,), (0,), (0, 1), (0, 1), (1,))  # request indices decoded in each step
 
@@ -35,6 +37,8 @@ def warm_up(runner) -> float | None:
     when no layer has the engine's impl."""
     from vllm_shadowkv.backend.attention import EngineImpl
 
+    if os.environ.get(WARM_UP_ENV, "1") == "0":
+        return None
     start = time.perf_counter()
     STATE.runner_ref = weakref.ref(runner)  # the layers' RoPE is looked up through it
     seen, warmed = set(), 0
