@@ -53,6 +53,9 @@ def warm_up(runner) -> float | None:
         if kind in seen:
             continue
         seen.add(kind)
+        with kernel_mode(layout.method.settings.kernels):
+            if not compiles(layer.kv_cache.device):
+                continue  # the references, or Triton's interpreter: nothing to compile
         # Every tensor as in serving, for the graphs' guards (grad mode, inference-tensor keys):
         # the pages made outside inference mode, as vLLM's KV cache is; the layer's RoPE cache
         # (kept for serving) and all the rest under it, as vLLM runs the model.
@@ -62,8 +65,6 @@ def warm_up(runner) -> float | None:
         if not scratch.prompt_lens:
             continue  # no compressed request fits the context: nothing to compile
         with torch.inference_mode(), kernel_mode(layout.method.settings.kernels):
-            if not compiles(layer.kv_cache.device):
-                continue  # the references, or Triton's interpreter: nothing to compile
             scratch.run()
         warmed += 1
     return time.perf_counter() - start if warmed else None

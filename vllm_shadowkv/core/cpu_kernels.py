@@ -10,7 +10,8 @@ elementwise passes. Here the scoring reads each request's landmark rows in place
 views of its runs of pages (a gather of 16K rows at 128K cost as much as the scoring itself;
 an index gather inside the compiled loop ran 2x to 5x slower), the missed A rows are gathered
 by ``index_select`` and the rest is compiled: the scoring one fused pass per run of pages, the
-rebuild matmul + RoPE (measured in benchmarks/RESULTS.md). Tested against the references in tests/core/test_kernels.py.
+rebuild matmul + RoPE (measured in benchmarks/RESULTS.md). Tested against the references in
+tests/core/test_kernels.py.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 from torch.fx.experimental import _config as fx_config
 
 from . import critical_channels
+from .kivi import unpack_codes
 from .rope import RopeCache, apply_rope
 
 
@@ -91,7 +93,7 @@ def _landmark_pages(landmarks: torch.Tensor, rows: torch.Tensor):
     place, one per run of full pages that lie at one stride (vLLM hands a request's blocks out
     mostly in order, so a request is one or a few runs), each page holding ``p`` rows at one
     stride, and the rows of a partly filled last page. Rows in no such pattern are gathered
-    (one view of them)."""
+    (``_gathered``)."""
     n = rows.numel()
     if n < 2:
         return _gathered(landmarks, rows)
@@ -189,16 +191,10 @@ def channel_scores(q, keys_cm, channels, key_start, prompt_len, sink, recent, ma
                                                 sink, recent, max_len, _partial_scores)
 
 
-def _unpacked(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """[..., W] int32 words -> [..., W * 32 / bits] codes (inlined into the compiled blocks)."""
-    shifts = torch.arange(32 // bits, device=codes.device, dtype=torch.int32) * bits
-    return ((codes.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)).flatten(-2)
-
-
 def _dequantized_keys(key_codes, key_scale, key_zero, bits: int) -> torch.Tensor:
     """codes [R, n, T, W], scale/zero [R, n, d] -> keys [R, n * T, d] fp32."""
     rows, n, tokens, _ = key_codes.shape
-    k = _unpacked(key_codes, bits).float() * key_scale.float().unsqueeze(2) \
+    k = unpack_codes(key_codes, bits).float() * key_scale.float().unsqueeze(2) \
         + key_zero.float().unsqueeze(2)
     return k.reshape(rows, n * tokens, -1)
 
@@ -230,7 +226,7 @@ def _quant_block(bits: int):
         p = torch.exp(logits - row_max)
         denom = p.sum(-1, keepdim=True)
         groups = value_scale.shape[-1]
-        codes = _unpacked(value_codes, bits).view(rows, n, tokens, groups, head_dim // groups)
+        codes = unpack_codes(value_codes, bits).view(rows, n, tokens, groups, head_dim // groups)
         v = codes.float() * value_scale.float().unsqueeze(-1) + value_zero.float().unsqueeze(-1)
         out = torch.matmul(p, v.reshape(rows, n * tokens, head_dim))
         out = out / denom.clamp_min(torch.finfo(torch.float32).tiny)
