@@ -1,7 +1,8 @@
 """Start-up time and the wall time of each engine step of the first compressed requests.
 
   .venv/bin/python benchmarks/first_steps.py --method tailorkv \\
-      --settings '{"q_layers": [0], "min_sparse_len": 1024}' --out benchmarks/first_steps/tailorkv.json
+      --settings '{"q_layers": [0], "min_sparse_len": 1024}' \\
+      --out benchmarks/first_steps/tailorkv.json
 
 A real vLLM engine (engine core in-process, ``enforce_eager``), the local tiny model by default:
 two prompts of ``--context`` and ``--context`` - 100 random tokens, ``--tokens`` greedy output
