@@ -68,8 +68,10 @@ from vllm import envs
 from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
 from vllm_shadowkv.backend import exact_attention
+from vllm_shadowkv.backend.host_malloc import keep_freed_memory
 from vllm_shadowkv.backend.layout import PageLayout
 from vllm_shadowkv.backend.worker_state import RequestStats
+from vllm_shadowkv.core import cpu_kernels
 from vllm_shadowkv.core import decode as core_decode
 from vllm_shadowkv.core import ops as core_ops
 from vllm_shadowkv.core.rope import RopeCache, apply_rope
@@ -432,6 +434,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path(__file__).with_name("layer_decode"))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    keep_freed_memory()  # as the engine's impl does in its worker (both backends run under it)
     args.out.mkdir(parents=True, exist_ok=True)
     batches = sorted(args.batches)
     steps = args.warmup + args.reps
@@ -486,6 +489,7 @@ def main() -> None:
         "date": datetime.date.today().isoformat(), "torch": torch.__version__,
         "vllm": vllm.__version__, "threads": args.threads,
         "isa": _get_attn_isa(DTYPE, BLOCK, HEAD_DIM, "auto"),
+        "native_bf16_gemm": cpu_kernels.native_bf16_gemm(),
         "heads": [H_Q, H_KV, HEAD_DIM], "dtype": str(DTYPE), "block_size": BLOCK,
         "settings": SETTINGS.resolved(KVShapes(H_KV, HEAD_DIM, DTYPE, BLOCK, 1, 0)).as_dict(),
         "reps": args.reps, "warmup": args.warmup, "query_drift": DRIFT,

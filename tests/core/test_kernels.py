@@ -170,7 +170,12 @@ def test_rebuild_keys(head_dim, dtype, rope_kind, layout, impl, kernel_device):
     args = (a, a_rows, a_positions, a_start, b, slot_chunks, miss_slots, miss_count, rope)
     _kernels(impl, kernel_device)[1].rebuild_keys(*args, got)
     reconstruct.rebuild_keys(*args, want)
-    torch.testing.assert_close(got, want, **_tol(dtype))
+    tol = _tol(dtype)
+    if impl == "cpu" and dtype == torch.bfloat16 and cpu_kernels.native_bf16_gemm():
+        # The native bf16 GEMM rounds A.B to bf16 before RoPE mixes two of its channels: a
+        # second rounding, up to one bf16 ulp at the keys' scale (the reference rounds once).
+        tol["atol"] = float(want.abs().amax()) * 2 ** -7
+    torch.testing.assert_close(got, want, **tol)
     written = torch.zeros(batch, h_kv, k + 1, dtype=torch.bool, device=kernel_device)
     written.scatter_(-1, torch.where(miss_slots >= 0, miss_slots, k).long(), True)
     stale = (~written[..., :k]).repeat_interleave(c, dim=-1)

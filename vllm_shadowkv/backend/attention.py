@@ -29,6 +29,7 @@ from vllm.v1.kv_cache_interface import KVCacheLayout
 
 from vllm_shadowkv.backend.engine_check import SUPPORTED_KV_CACHE_DTYPES
 from vllm_shadowkv.backend.exact_attention import exact_attention, read_exact, write_exact
+from vllm_shadowkv.backend.host_malloc import keep_freed_memory
 from vllm_shadowkv.backend.kv_spec import CompressedKVSpec
 from vllm_shadowkv.backend.layout import PageLayout
 from vllm_shadowkv.backend.worker_state import STATE, EngineFacts
@@ -178,6 +179,7 @@ class EngineImpl(AttentionImpl[EngineMetadata]):
                 f"{', '.join(found)}; it serves decoder layers with full causal attention and a "
                 "16-bit KV cache")
         STATE.engine = facts
+        keep_freed_memory()
         self.num_heads = num_heads
         self.head_size = head_size
         self.scale = float(scale)

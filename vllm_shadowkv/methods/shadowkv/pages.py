@@ -311,10 +311,11 @@ class ShadowKVPages:
         n, h, k = batch.slot_chunks.shape
         c, d = self.settings.chunk_size, self.shapes.head_size
         self.ids(kv_cache)[plan.slot_chunks] = batch.slot_chunks.view(n, -1)
-        filled = (batch.slot_chunks != before) & (batch.slot_chunks >= 0)  # [B, h, k]
+        filled = ((batch.slot_chunks != before) & (batch.slot_chunks >= 0)).flatten()
+        slots = filled.nonzero().flatten()  # (a boolean mask index per field cost 2x)
         for offsets, data in ((plan.slot_k, batch.slot_k), (plan.slot_v, batch.slot_v)):
-            self.write_rows(kv_cache, offsets.view(n, h, k, c)[filled].flatten(),
-                            data.view(n, h, k, c, d)[filled].flatten(0, 1))
+            self.write_rows(kv_cache, offsets.view(n * h * k, c).index_select(0, slots).flatten(),
+                            data.view(n * h * k, c * d).index_select(0, slots).view(-1, d))
 
 
 def _starts(counts: list[int], device) -> torch.Tensor:
@@ -325,7 +326,11 @@ def _selectable_chunk_ids(outliers: torch.Tensor, plan: BatchPlan) -> torch.Tens
     """Chunk id of each pooled landmark row, [NL, h] int32. With a KV head's outlier ids sorted
     (o_j), its i-th selectable chunk is i + #{j : o_j - j <= i}: the non-outliers in order."""
     batch, h, o = outliers.shape
-    gaps = outliers.long().sort(dim=-1).values - torch.arange(o, device=outliers.device)
-    rank = torch.arange(plan.max_landmarks, device=outliers.device).expand(batch, h, -1)
-    ids = rank + torch.searchsorted(gaps, rank.contiguous(), right=True)  # [B, h, n_max]
+    n, device = plan.max_landmarks, outliers.device
+    gaps = outliers.long().sort(dim=-1).values - torch.arange(o, device=device)
+    # #{j : gaps_j <= i} for every i at once: a histogram of the gaps and its running sum
+    # (searching 16K ranks among the gaps took 0.7 ms per layer and step at 128K).
+    below = torch.zeros(batch, h, n + 1, dtype=torch.int32, device=device).scatter_add_(
+        -1, gaps.clamp(0, n), torch.ones_like(gaps, dtype=torch.int32)).cumsum(-1)
+    ids = torch.arange(n, device=device) + below[..., :n]  # [B, h, n_max]
     return ids[plan.lm_request, :, plan.lm_rank].to(torch.int32)
