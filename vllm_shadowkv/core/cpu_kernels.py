@@ -157,18 +157,20 @@ def native_bf16_gemm() -> bool:
 
 @_compiled
 def _keys(rows: torch.Tensor, b: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
-          rotary_dim: int, neox: bool, native_bf16: bool) -> torch.Tensor:
+          rotary_dim: int, neox: bool, native_bf16: bool, out_dtype: torch.dtype
+          ) -> torch.Tensor:
     """A rows [B, h, n, r] times B [B, h, r, d], RoPE at ``positions`` [B, h, n] -> [B, h, n, d]
-    fp32. bf16 rows and B multiply as they are where the CPU has bf16 GEMMs (the Triton kernel's
-    bf16 dot with fp32 accumulation; the product is rounded to bf16 once before RoPE), else in
-    fp32. (Gathering the rows inside the compiled loop was 2x slower than index_select.)"""
+    in ``out_dtype`` (the slots'; RoPE in fp32). bf16 rows and B multiply as they are where the
+    CPU has bf16 GEMMs (the Triton kernel's bf16 dot with fp32 accumulation; the product is
+    rounded to bf16 once before RoPE), else in fp32. (Gathering the rows inside the compiled
+    loop was 2x slower than index_select.)"""
     if native_bf16 and rows.dtype == b.dtype == torch.bfloat16:
         keys = torch.matmul(rows, b).float()
     else:
         keys = torch.matmul(rows.float(), b.float())
     flat = keys.view(-1, 1, keys.shape[-1])
     rope = RopeCache(cos_sin, rotary_dim, neox)
-    return apply_rope(flat, positions.reshape(-1), rope).view(keys.shape)
+    return apply_rope(flat, positions.reshape(-1), rope).view(keys.shape).to(out_dtype)
 
 
 def rebuild_keys(a, a_rows, a_positions, a_start, b, slot_chunks, miss_slots, miss_count, rope,
@@ -188,10 +190,10 @@ def rebuild_keys(a, a_rows, a_positions, a_start, b, slot_chunks, miss_slots, mi
     a_picked = torch.index_select(a, 0, a_rows.index_select(0, flat)).view(*rows.shape, a.shape[1])
     positions = a_positions.index_select(0, flat).view(rows.shape)
     keys = _keys(a_picked, b, positions, rope.cos_sin_cache, rope.rotary_dim,
-                 rope.is_neox_style, native_bf16_gemm())
+                 rope.is_neox_style, native_bf16_gemm(), slot_k.dtype)
     dest = (slots.unsqueeze(-1) * c + offsets).flatten(2)  # [B, h, w*c]
     bi, hi, ti = valid.unsqueeze(-1).expand(-1, -1, -1, c).flatten(2).nonzero(as_tuple=True)
-    slot_k[bi, hi, dest[bi, hi, ti]] = keys[bi, hi, ti].to(slot_k.dtype)
+    slot_k[bi, hi, dest[bi, hi, ti]] = keys[bi, hi, ti]
 
 
 @_compiled
