@@ -30,6 +30,42 @@ def test_assign_slots_keeps_hits_in_place():
     assert miss_slots[0, 0, 0] == 0
 
 
+def _assign_slots_by_loops(resident: list[int], selected: list[int]):
+    """The policy row by row: hits stay, misses take the freed slots (lowest first) in
+    selection order, slots no longer selected are emptied."""
+    wanted = [c for c in selected if c >= 0]
+    new = [c if c in wanted else -1 for c in resident]
+    misses = [c for c in wanted if c not in resident]
+    free = [i for i, c in enumerate(resident) if c not in wanted]
+    for slot, chunk in zip(free, misses):
+        new[slot] = chunk
+    return new, free[:len(misses)] + [-1] * (len(resident) - len(misses)), len(misses)
+
+
+@pytest.mark.parametrize("k", [1, 7, 64])
+def test_assign_slots_matches_the_policy_on_random_rows(k):
+    gen = torch.Generator().manual_seed(k)
+    batch, h_kv, chunks = 3, 4, 2 * k + 5
+
+    def rows():  # distinct chunk ids per row, some slots empty (-1), in random places
+        out = torch.full((batch, h_kv, k), -1, dtype=torch.int32)
+        for b in range(batch):
+            for h in range(h_kv):
+                n = int(torch.randint(0, k + 1, (1,), generator=gen))
+                out[b, h, torch.randperm(k, generator=gen)[:n]] = (
+                    torch.randperm(chunks, generator=gen)[:n].to(torch.int32))
+        return out
+
+    for _ in range(5):
+        resident, selected = rows(), rows()
+        slots, miss_slots, miss_count = assign_slots(resident, selected)
+        for b in range(batch):
+            for h in range(h_kv):
+                want = _assign_slots_by_loops(resident[b, h].tolist(), selected[b, h].tolist())
+                assert (slots[b, h].tolist(), miss_slots[b, h].tolist(),
+                        int(miss_count[b, h])) == want
+
+
 def test_merge_of_split_key_sets_is_attention_over_their_union():
     q, k, v = torch.randn(2, 3, 8, 16), torch.randn(2, 2, 40, 16), torch.randn(2, 2, 40, 16)
     full = attention_with_lse(q, k, v, None, 0.25)
