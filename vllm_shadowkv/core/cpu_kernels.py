@@ -152,7 +152,8 @@ def native_bf16_gemm() -> bool:
     """oneDNN runs bf16 GEMMs (fp32 accumulation) natively on AVX512-BF16 or AMX: 2.8x the fp32
     rate per core on the AVX512-BF16 EPYC of benchmarks/RESULTS.md. Without them it emulates
     them, slower than converting to fp32 first."""
-    return torch.cpu._is_avx512_bf16_supported()
+    supported = getattr(torch.cpu, "_is_avx512_bf16_supported", None)  # private: may go
+    return bool(supported and supported())
 
 
 @_compiled
