@@ -15,7 +15,7 @@ from vllm_shadowkv.backend.host_malloc import keep_freed_memory
 class Info(ctypes.Structure):
     _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd",
         "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
-libc = ctypes.CDLL("libc.so.6")
+libc = ctypes.CDLL(None)
 libc.mallinfo2.restype = Info
 applied = keep_freed_memory()
 mapped = libc.mallinfo2().hblkhd

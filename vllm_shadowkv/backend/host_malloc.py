@@ -13,7 +13,6 @@ it is.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import functools
 import os
 
@@ -29,9 +28,8 @@ def keep_freed_memory() -> bool:
     (the call then changes nothing)."""
     if os.environ.get(ENV, "1") == "0":
         return False
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
+    try:  # the process's own symbols: libc is loaded (find_library would run ldconfig)
+        mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):
         return False
     return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) and
