@@ -1,9 +1,12 @@
-"""What MiniKV's heavy-hitter scores cost in prefill: the H2O column sums of one layer
-(core/heavy_hitters.accumulate_column_sums, a second pass over each prefill chunk's queries and
-every key so far; on the CPU through the flash kernel) and the explicit fp32 tiles it replaced
-(chunk_column_sums_reference), against the engine's exact attention of the same chunk
-(backend/exact_attention.causal_attention), at Llama-3.1-8B shapes, chunk by chunk as vLLM's
-chunked prefill hands them over. Same run, reported as ratios to the attention.
+"""What MiniKV's heavy-hitter scores cost in prefill, at Llama-3.1-8B shapes, chunk by chunk as
+vLLM's chunked prefill hands them over, as ratios to the exact attention of the same chunks
+through vLLM's CPU kernel (what the default backend's prefill runs), in one run:
+
+* minikv: what MiniKV's prefill runs per chunk: the exact attention through torch's flash kernel,
+  which also gives each row's LSE (vLLM's does not), then the H2O column sums from that LSE
+  (core/heavy_hitters.accumulate_column_sums, a transposed flash pass per query group);
+* column sums alone, their rows' LSE from a pass of their own (where the caller has none);
+* the explicit fp32 tiles (chunk_column_sums_reference, what other devices run).
 
   python benchmarks/bench_heavy_hitters.py --out benchmarks/heavy_hitters/cpu.json
 """
@@ -18,6 +21,7 @@ import torch
 from tqdm import tqdm
 
 from vllm_shadowkv.backend.exact_attention import causal_attention
+from vllm_shadowkv.core.attention import causal_attention_cpu
 from vllm_shadowkv.core.heavy_hitters import accumulate_column_sums, chunk_column_sums_reference
 
 H_Q, H_KV, HEAD_DIM = 32, 8, 128
@@ -31,7 +35,7 @@ def chunked(fn, length: int, chunk: int) -> float:
     return time.perf_counter() - t0
 
 
-def measure(length: int, chunk: int, reps: int) -> dict:
+def measure(length: int, chunk: int, reps: int, tiles_too: bool) -> dict:
     gen = torch.Generator().manual_seed(length)
     q = torch.randn(length, H_Q, HEAD_DIM, generator=gen).bfloat16()
     k = torch.randn(length, H_KV, HEAD_DIM, generator=gen).bfloat16()
@@ -42,19 +46,27 @@ def measure(length: int, chunk: int, reps: int) -> dict:
     def attend(start, end):
         causal_attention(q[start:end], k[:end], v[:end], scale)
 
-    def column_sums(start, end):
+    def minikv(start, end):
+        _, lse = causal_attention_cpu(q[start:end], k[:end], v[:end], scale)
         sums["total"] = accumulate_column_sums(sums.get("total") if start else None,
-                                               q[start:end], k[:end], scale)
+                                               q[start:end], k[:end], scale, lse)
+
+    def column_sums(start, end):
+        sums["own"] = accumulate_column_sums(sums.get("own") if start else None,
+                                             q[start:end], k[:end], scale)
 
     def tiles(start, end):
         chunk_column_sums_reference(q[start:end], k[:end], scale)
 
+    attend(0, min(chunk, length))  # vLLM's kernel: its first call sets up for seconds
     attention_s = min(chunked(attend, length, chunk) for _ in range(reps))
+    minikv_s = min(chunked(minikv, length, chunk) for _ in range(reps))
     sums_s = min(chunked(column_sums, length, chunk) for _ in range(reps))
-    tiles_s = min(chunked(tiles, length, chunk) for _ in range(reps))
+    tiles_s = min(chunked(tiles, length, chunk) for _ in range(reps)) if tiles_too else None
     return {"prompt_tokens": length, "chunk_tokens": chunk, "attention_s": attention_s,
+            "minikv_s": minikv_s, "minikv_ratio": minikv_s / attention_s,
             "column_sums_s": sums_s, "ratio": sums_s / attention_s,
-            "fp32_tiles_s": tiles_s, "tiles_ratio": tiles_s / attention_s}
+            "fp32_tiles_s": tiles_s, "tiles_ratio": tiles_s and tiles_s / attention_s}
 
 
 def main() -> None:
@@ -64,16 +76,19 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=2048, help="prefill chunk (tokens)")
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--no-tiles", action="store_true", help="skip the fp32 tiles (slow)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    rows = [measure(int(n), args.chunk, args.reps)
+    rows = [measure(int(n), args.chunk, args.reps, not args.no_tiles)
             for n in tqdm(args.lengths.split(","), desc="prompt lengths")]
     for r in rows:
-        print(f"{r['prompt_tokens']:>6} tokens in chunks of {r['chunk_tokens']}: exact attention "
-              f"{r['attention_s']:.2f} s, column sums {r['column_sums_s']:.2f} s "
-              f"({r['ratio']:.2f}x the attention; fp32 tiles {r['fp32_tiles_s']:.2f} s, "
-              f"{r['tiles_ratio']:.2f}x)")
+        tiles = (f"; fp32 tiles {r['fp32_tiles_s']:.2f} s, {r['tiles_ratio']:.2f}x"
+                 if r["fp32_tiles_s"] else "")
+        print(f"{r['prompt_tokens']:>6} tokens in chunks of {r['chunk_tokens']}: vLLM's exact "
+              f"attention {r['attention_s']:.2f} s; minikv's (attention with LSE + column sums) "
+              f"{r['minikv_s']:.2f} s, {r['minikv_ratio']:.2f}x; column sums with their own "
+              f"LSE pass {r['column_sums_s']:.2f} s, {r['ratio']:.2f}x{tiles}")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         meta = {"machine": platform.processor() or platform.machine(), "threads": args.threads,

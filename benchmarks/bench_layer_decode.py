@@ -46,6 +46,7 @@ functions labelled while profiling) and per op (top 20 by self CPU time).
 
 import argparse
 import contextlib
+import dataclasses
 import datetime
 import functools
 import json
@@ -422,6 +423,7 @@ def print_table(rows: list[dict]) -> None:
 
 
 def main() -> None:
+    global SETTINGS
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--contexts", type=int, nargs="+", default=[32768, 131072])
@@ -431,8 +433,11 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     parser.add_argument("--profile-context", type=int, default=32768, help="0: no profile")
     parser.add_argument("--profile-batch", type=int, default=4)
+    parser.add_argument("--sparse-budget", type=int, default=SETTINGS.sparse_budget,
+                        help="tokens selected per KV head (the paper's 2048 is 1.56 %% of 128K)")
     parser.add_argument("--out", type=Path, default=Path(__file__).with_name("layer_decode"))
     args = parser.parse_args()
+    SETTINGS = dataclasses.replace(SETTINGS, sparse_budget=args.sparse_budget)
     torch.set_num_threads(args.threads)
     keep_freed_memory()  # as the engine's impl does in its worker (both backends run under it)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from vllm_shadowkv.core import heavy_hitters
+from vllm_shadowkv.core.attention import causal_attention_cpu
 from vllm_shadowkv.core.heavy_hitters import (accumulate_column_sums, layer_budgets,
                                               select_heavy_hitters)
 
@@ -24,8 +25,12 @@ def dense_column_sums(q, k, scale):
 @pytest.mark.parametrize("impl", ["flash", "tiles"])
 @pytest.mark.parametrize("gqa", [1, 4, 8])
 @pytest.mark.parametrize("chunks, head_dim", [([97], 64), ([37, 1, 59], 80), ([64, 33], 128)])
-def test_chunked_column_sums_equal_one_pass(impl, gqa, chunks, head_dim, monkeypatch):
-    """The CPU's flash path and the fp32 tiles (what other devices run) against the dense map."""
+@pytest.mark.parametrize("given_lse", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_chunked_column_sums_equal_one_pass(impl, gqa, chunks, head_dim, given_lse, dtype,
+                                            monkeypatch):
+    """The CPU's flash path and the fp32 tiles (what other devices run) against the dense map,
+    with the rows' LSE computed inside or handed over from the prefill's exact attention."""
     if impl == "tiles":
         monkeypatch.setattr(heavy_hitters, "_chunk_column_sums_cpu",
                             heavy_hitters.chunk_column_sums_reference)
@@ -33,12 +38,15 @@ def test_chunked_column_sums_equal_one_pass(impl, gqa, chunks, head_dim, monkeyp
     monkeypatch.setattr(heavy_hitters, "QUERY_BLOCK", 16)
     monkeypatch.setattr(heavy_hitters, "KEY_BLOCK", 24)
     h_kv, length = 2, sum(chunks)
-    q = torch.randn(length, h_kv * gqa, head_dim).to(torch.bfloat16)
-    k = torch.randn(length, h_kv, head_dim).to(torch.bfloat16)
+    q = torch.randn(length, h_kv * gqa, head_dim).to(dtype)
+    k = torch.randn(length, h_kv, head_dim).to(dtype)
     scale = head_dim ** -0.5
     col_sums, start = None, 0
     for n in chunks:
-        col_sums = accumulate_column_sums(col_sums, q[start:start + n], k[:start + n], scale)
+        lse = causal_attention_cpu(q[start:start + n], k[:start + n], k[:start + n],
+                                   scale)[1] if given_lse else None
+        col_sums = accumulate_column_sums(col_sums, q[start:start + n], k[:start + n], scale,
+                                          lse)
         start += n
         assert col_sums.shape == (h_kv, start) and col_sums.dtype == torch.float32
     want = dense_column_sums(q, k, scale)

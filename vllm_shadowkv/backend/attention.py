@@ -265,11 +265,13 @@ class EngineImpl(AttentionImpl[EngineMetadata]):
                 decoding.append(replace(req, start=split))
                 req = replace(req, end=split, seq_len=req.prompt_len, guess=0)
                 start, end = req.start, req.end
-            out[start:end] = exact_attention(kv_cache, layout, req.prompt_len, req.block_ids,
-                                             req.seq_len, query[start:end], self.scale)
+            out[start:end], lse = exact_attention(
+                kv_cache, layout, req.prompt_len, req.block_ids, req.seq_len, query[start:end],
+                self.scale, with_lse=sparse and method.needs_prefill_lse)
             if not sparse:
                 continue
-            method.prefill_chunk(ctx, req, query[start:end], key[start:end], value[start:end])
+            method.prefill_chunk(ctx, req, query[start:end], key[start:end], value[start:end],
+                                 lse)
             if req.seq_len >= req.prompt_len:  # this step completed the prompt
                 self._finalize(ctx, req)
         for segment, reqs in enumerate(self._ring_rounds(layout, decoding)):

@@ -114,7 +114,13 @@ def _vllm_cpu_attention(query, key, value, scale) -> torch.Tensor | None:
 
 
 def exact_attention(kv_cache, layout: PageLayout, prompt_len: int, block_ids, seq_len: int,
-                    query: torch.Tensor, scale: float) -> torch.Tensor:
+                    query: torch.Tensor, scale: float, with_lse: bool = False
+                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A request's causal attention over its exact pages -> (out, lse): lse ``[h_kv, G, q]``
+    fp32 only if ``with_lse`` and on the CPU (torch's flash kernel; vLLM's gives none), else
+    None."""
     positions = torch.arange(seq_len, device=query.device)
     key, value = read_exact(kv_cache, layout, prompt_len, block_ids, positions)
-    return causal_attention(query, key, value, scale)
+    if with_lse and query.device.type == "cpu":
+        return causal_attention_cpu(query, key, value, scale)
+    return causal_attention(query, key, value, scale), None

@@ -73,16 +73,29 @@ def _page_logits(q: torch.Tensor, pages: torch.Tensor, count: int, scale: float)
     return logits.flatten(0, 1)[:count].permute(1, 2, 3, 0).contiguous()
 
 
-# Called only with two pages or more (a single page, a handful of rows, runs eagerly): sizes
-# 0 and 1 would each compile a graph of their own, in the middle of serving.
-_compiled_page_logits = _compiled(_page_logits)
-
-
-@_compiled
 def _chunk_scores(logits: torch.Tensor) -> torch.Tensor:
     """[s_q, h_kv, g, n] -> [h_kv, n]: softmax over the landmarks, sum over the query tokens,
     max over the group's query heads (see select.landmark_scores)."""
     return torch.softmax(logits, dim=-1).sum(dim=0).amax(dim=1)
+
+
+def _page_scores(q: torch.Tensor, pages: torch.Tensor, count: torch.Tensor,
+                 scale: float) -> torch.Tensor:
+    """A request whose landmarks are one run of pages (the common case): scores [h_kv, m * p]
+    (valid up to ``count``, a 0-d tensor) in one compiled pass. Logits and softmax compiled apart
+    cost 1.45 ms per request at 16K against 1.05 here; with every size symbolic (``_compiled``)
+    1.7: only the page count varies here, so the loops over p, h_kv and d stay constant."""
+    logits = _page_logits(q, pages, pages.shape[0] * pages.shape[1], scale)
+    valid = torch.arange(logits.shape[-1], device=logits.device) < count
+    return _chunk_scores(logits.masked_fill(~valid, float("-inf")))
+
+
+_compiled_page_scores = _one_graph(torch.compile(_page_scores, dynamic=None, fullgraph=True),
+                                   ((), (0,)))
+# Called only with two pages or more (a single page, a handful of rows, runs eagerly): sizes
+# 0 and 1 would each compile a graph of their own, in the middle of serving.
+_compiled_page_logits = _compiled(_page_logits)
+_compiled_chunk_scores = _compiled(_chunk_scores)
 
 
 MAX_RUNS = 16  # more runs of pages than this: one gather, then one pass
@@ -139,11 +152,15 @@ def landmark_scores(q, landmarks, lm_rows, lm_start, lm_count, max_count, scale)
     for i, (start, count) in enumerate(zip(lm_start.tolist(), lm_count.tolist())):
         if count:
             qi = q[i].clone()  # storage offset 0: an offset of 0 or 1 is a graph of its own
+            runs = _landmark_pages(landmarks, lm_rows[start:start + count])
+            if len(runs) == 1 and len(runs[0][0]) > 1:
+                pages, n = runs[0]
+                out[i, :, :count] = _compiled_page_scores(qi, pages, torch.tensor(n),
+                                                          scale)[:, :n]
+                continue
             logits = [(_compiled_page_logits if len(pages) > 1 else _page_logits)(
-                qi, pages, n, scale)
-                for pages, n in _landmark_pages(landmarks, lm_rows[start:start + count])]
-            out[i, :, :count] = _chunk_scores(logits[0] if len(logits) == 1 else
-                                              torch.cat(logits, dim=-1))
+                qi, pages, n, scale) for pages, n in runs]
+            out[i, :, :count] = _compiled_chunk_scores(torch.cat(logits, dim=-1))
     return out
 
 

@@ -7,12 +7,13 @@ selects for itself, so K/V are never expanded to query heads (spec §10.3).
 
 Chunked prefill: each chunk adds its queries' contributions to every key so far, so summing
 chunk by chunk equals one whole-prompt pass; the [n, L] map of a long prompt is never
-materialised. On the CPU both passes run torch's flash kernel: the rows' LSE from the causal
-attention, then the column sums as the LSE of the transposed attention, in which each key asks
-the chunk's query rows and each row carries its own -LSE as an extra channel (about 2x the
-exact attention's time where explicit fp32 tiles took 8x; benchmarks/bench_heavy_hitters.py).
-Elsewhere the logits are taken in tiles of QUERY_BLOCK x KEY_BLOCK, twice (row LSE, then the
-normalised column sums): ``chunk_column_sums_reference``.
+materialised. The rows' LSE comes from the prefill's own exact attention where the engine has it
+(``lse``; on the CPU torch's flash kernel gives it), else from a pass of its own. On the CPU the
+column sums are then the LSE of the transposed attention through the same flash kernel, in the
+inputs' dtype: each key asks the chunk's query rows, and each row carries its own -LSE in three
+extra channels (a 16-bit high, middle and low part: exact to fp32 rounding). About the exact
+attention's time again (benchmarks/bench_heavy_hitters.py). Elsewhere the logits are taken in
+fp32 tiles of QUERY_BLOCK x KEY_BLOCK: ``chunk_column_sums_reference``.
 """
 
 import torch
@@ -38,26 +39,30 @@ def _tiles(qg: torch.Tensor, k: torch.Tensor, q_start: int, scale: float):
 
 
 def accumulate_column_sums(
-    col_sums: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor, scale: float
+    col_sums: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor, scale: float,
+    lse: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Add one prefill chunk's column sums.
 
     col_sums [h_kv, start] fp32 from the earlier chunks (None for the first); q [n, h_q, d] the
-    chunk's queries at positions [start, start + n); k [start + n, h_kv, d] all keys so far.
-    -> [h_kv, start + n] fp32.
+    chunk's queries at positions [start, start + n); k [start + n, h_kv, d] all keys so far;
+    lse [h_kv, G, n] fp32 the chunk's causal attention LSE per query row, if the caller has
+    it (else computed here). -> [h_kv, start + n] fp32.
     """
     start = k.shape[0] - q.shape[0]
     chunk = (_chunk_column_sums_cpu if q.device.type == "cpu"
-             else chunk_column_sums_reference)(q, k, scale)
+             else chunk_column_sums_reference)(q, k, scale, lse)
     if col_sums is not None:
         assert col_sums.shape == (k.shape[1], start)
         chunk[:, :start] += col_sums
     return chunk
 
 
-def chunk_column_sums_reference(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
+def chunk_column_sums_reference(q: torch.Tensor, k: torch.Tensor, scale: float,
+                                lse: torch.Tensor | None = None) -> torch.Tensor:
     """One chunk's contribution to every key's column sum: q [n, h_q, d] at positions
-    [start, start + n), k [start + n, h_kv, d] -> [h_kv, start + n] fp32, in fp32 tiles."""
+    [start, start + n), k [start + n, h_kv, d], lse [h_kv, G, n] or None -> [h_kv, start + n]
+    fp32, in fp32 tiles (a first pass over them for the rows' LSE when it is not given)."""
     n, h_q, head_dim = q.shape
     length, h_kv, _ = k.shape
     start = length - n
@@ -65,33 +70,46 @@ def chunk_column_sums_reference(q: torch.Tensor, k: torch.Tensor, scale: float) 
     for i0 in range(0, n, QUERY_BLOCK):
         qb = q[i0:i0 + QUERY_BLOCK].float()
         qg = qb.reshape(-1, h_kv, h_q // h_kv, head_dim).permute(1, 2, 0, 3)  # [h_kv, G, n', d]
-        lse = torch.stack([torch.logsumexp(logits, dim=-1)
-                           for _, logits in _tiles(qg, k, start + i0, scale)]).logsumexp(dim=0)
+        row_lse = (lse[..., i0:i0 + QUERY_BLOCK].float() if lse is not None else
+                   torch.stack([torch.logsumexp(logits, dim=-1) for _, logits
+                                in _tiles(qg, k, start + i0, scale)]).logsumexp(dim=0))
         for j0, logits in _tiles(qg, k, start + i0, scale):
-            probs = torch.exp(logits - lse.unsqueeze(-1))  # [h_kv, G, n', c]
+            probs = torch.exp(logits - row_lse.unsqueeze(-1))  # [h_kv, G, n', c]
             total[:, j0:j0 + probs.shape[-1]] += probs.sum(dim=(1, 2))
     return total
 
 
-def _chunk_column_sums_cpu(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
+LSE_CHANNELS = 3  # -LSE / scale as a sum of three 16-bit parts: fp32's 24 bits of mantissa
+
+
+def _chunk_column_sums_cpu(q: torch.Tensor, k: torch.Tensor, scale: float,
+                           lse: torch.Tensor | None = None) -> torch.Tensor:
     """``chunk_column_sums_reference`` through the flash kernel. sum_i exp(s q_i.k_j - lse_i)
     is the exp of the LSE of an attention in which key j is the query and row i the key, both
-    widened by one channel ([k_j, 1] . [q_i, -lse_i / s]); fp32, so the -LSE channel is exact.
-    Prefix keys see every row; a chunk key sees the rows at or after it, which is causal once
-    both sequences are reversed."""
+    widened by the -LSE channels ([k_j, 1, 1, 1] . [q_i, x_i, ...] with x_i = -lse_i / s split
+    into 16-bit parts), in the inputs' dtype with the kernel's fp32 accumulation (fp32 copies of
+    Q and K cost as much again). Prefix keys see every row; a chunk key sees the rows at or
+    after it, which is causal once both sequences are reversed."""
     n, h_q, head_dim = q.shape
     length, h_kv, _ = k.shape
     group, start = h_q // h_kv, length - n
-    _, lse = causal_attention_cpu(q, k, k, scale)  # [h_kv, G, n]; the values do not matter
-    width = -(-(head_dim + 1) // 16) * 16  # the extra channel, padded with zeros
-    keys = q.new_zeros(1, h_kv, length, width, dtype=torch.float32)
-    keys[..., :head_dim], keys[..., head_dim] = k.transpose(0, 1), 1.0
+    if lse is None:
+        _, lse = causal_attention_cpu(q, k, k, scale)  # [h_kv, G, n]; the values do not matter
+    dtype = q.dtype if q.dtype == k.dtype else torch.float32
+    width = -(-(head_dim + LSE_CHANNELS) // 16) * 16  # the extra channels, padded with zeros
+    keys = q.new_zeros(1, h_kv, length, width, dtype=dtype)
+    keys[..., :head_dim] = k.transpose(0, 1)
+    keys[..., head_dim:head_dim + LSE_CHANNELS] = 1.0
     chunk_keys = keys[:, :, start:].flip(2)
     rows = q.transpose(0, 1).unflatten(0, (h_kv, group))  # [h_kv, G, n, d]
     total = torch.full((h_kv, length), float("-inf"), device=q.device)
     for g in range(group):
-        row_keys = q.new_zeros(1, h_kv, n, width, dtype=torch.float32)
-        row_keys[..., :head_dim], row_keys[..., head_dim] = rows[:, g], -lse[:, g] / scale
+        row_keys = q.new_zeros(1, h_kv, n, width, dtype=dtype)
+        row_keys[..., :head_dim] = rows[:, g]
+        rest = -lse[:, g].float() / scale
+        for c in range(head_dim, head_dim + LSE_CHANNELS):
+            row_keys[..., c] = rest
+            rest = rest - row_keys[..., c].float()
         if start:
             prefix = _flash_cpu(keys[:, :, :start], row_keys, row_keys, 0.0, False,
                                 scale=scale)[1][0]

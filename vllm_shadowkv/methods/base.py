@@ -166,6 +166,10 @@ class KVMethod(ABC):
     name: ClassVar[str]
     settings_cls: ClassVar[type[EngineSettings]]
     needs_rope: ClassVar[bool] = False  # refuse models without RoPE in every layer
+    # Whether ``prefill_chunk`` wants the exact attention's LSE per query row: the engine then
+    # runs the prefill through a kernel that gives it (on the CPU, torch's flash kernel instead
+    # of vLLM's, which does not) rather than the method paying an attention pass of its own.
+    needs_prefill_lse: ClassVar[bool] = False
     capacity_claim: ClassVar[tuple[dict[str, Any], float]]
     """The method's capacity claim: with these settings, at Llama-3.1-8B attention shapes and
     prompts of each of ``capacity_lengths`` tokens, vLLM's maximum concurrency is at least this
@@ -221,8 +225,11 @@ class KVMethod(ABC):
 
     # -- worker hooks ---------------------------------------------------------------------------
     def prefill_chunk(self, layer: LayerContext, req: RequestRows, query: torch.Tensor,
-                      key: torch.Tensor, value: torch.Tensor) -> None:
-        """A prefill step of a request that will be compressed, after its exact attention."""
+                      key: torch.Tensor, value: torch.Tensor,
+                      lse: torch.Tensor | None = None) -> None:
+        """A prefill step of a request that will be compressed, after its exact attention.
+        ``lse`` ``[h_kv, G, n]`` fp32: that attention's log-sum-exp per query row, where the
+        method declares ``needs_prefill_lse`` and the device's kernel gives it (else None)."""
 
     @abstractmethod
     def finalize(self, layer: LayerContext, req: RequestRows, keys: torch.Tensor,

@@ -25,6 +25,7 @@ class MiniKVMethod(KVMethod):
     name = "minikv"
     settings_cls = MiniKVSettings
     needs_rope = False  # post-RoPE keys are stored as they come
+    needs_prefill_lse = True  # the H2O column sums normalise by it
     # The paper's defaults (§5.1): 2 bits, 25 % heavy hitters (pyramid) + 25 % recent window.
     capacity_claim = ({}, 7.0)
     capacity_lengths = (32768, 131072)
@@ -70,7 +71,8 @@ class MiniKVMethod(KVMethod):
 
     # -- hooks --------------------------------------------------------------------------------
     def prefill_chunk(self, layer: LayerContext, req: RequestRows, query: torch.Tensor,
-                      key: torch.Tensor, value: torch.Tensor) -> None:
+                      key: torch.Tensor, value: torch.Tensor,
+                      lse: torch.Tensor | None = None) -> None:
         """Add the chunk's queries (those in the score window) to the H2O column sums of every
         key so far."""
         if sum(self.pages.kept(layer.index, req.prompt_len)) == req.prompt_len:
@@ -86,8 +88,8 @@ class MiniKVMethod(KVMethod):
         assert previous is not None or first + skip == scored_from, (
             "minikv: a prefill chunk without the column sums of the earlier ones")
         keys = self._staged_keys(layer, req)
-        self._scores[scores_key] = accumulate_column_sums(previous, query[skip:], keys,
-                                                          layer.scale)
+        self._scores[scores_key] = accumulate_column_sums(
+            previous, query[skip:], keys, layer.scale, None if lse is None else lse[..., skip:])
 
     def finalize(self, layer: LayerContext, req: RequestRows, keys: torch.Tensor,
                  values: torch.Tensor) -> None:

@@ -37,6 +37,7 @@ class SpeCacheMethod(MiniKVMethod):
     # The paper's headline configuration (§4.1): 1 bit, group 64, about 0.10x the 16-bit KV.
     capacity_claim = ({}, 9.0)
     capacity_lengths = (32768, 131072)
+    needs_prefill_lse = False  # every token is kept: no heavy hitters to score
 
     def __init__(self, settings: SpeCacheSettings, shapes: KVShapes) -> None:
         super().__init__(settings, shapes)

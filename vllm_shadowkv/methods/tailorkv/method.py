@@ -35,6 +35,7 @@ class TailorKVMethod(MiniKVMethod):
     settings_cls = TailorKVSettings
     capacity_claim = ({"q_layers": [0]}, 9.0)
     capacity_lengths = (32768, 131072)
+    needs_prefill_lse = False  # no heavy hitters: every token is kept or offloaded
 
     def __init__(self, settings: TailorKVSettings, shapes: KVShapes) -> None:
         super().__init__(settings, shapes)
@@ -67,7 +68,8 @@ class TailorKVMethod(MiniKVMethod):
 
     # -- hooks ----------------------------------------------------------------------------------
     def prefill_chunk(self, layer: LayerContext, req: RequestRows, query: torch.Tensor,
-                      key: torch.Tensor, value: torch.Tensor) -> None:
+                      key: torch.Tensor, value: torch.Tensor,
+                      lse: torch.Tensor | None = None) -> None:
         """Nothing to gather while prefilling: max|K| is taken from the whole prompt."""
 
     def finalize(self, layer: LayerContext, req: RequestRows, keys: torch.Tensor,
