@@ -166,6 +166,8 @@ def test_rebuild_keys(head_dim, dtype, rope_kind, layout, impl, kernel_device):
     b = torch.randn(batch, h_kv, head_dim, rank, device=kernel_device).to(dtype).transpose(-1, -2)
     slot_chunks, miss_slots, miss_count = _miss_setup(batch, h_kv, k, n_chunks, kernel_device)
     base = torch.randn(batch, k * c, h_kv, head_dim, device=kernel_device).to(dtype).transpose(1, 2)
+    if layout == "row-major":  # the engine's slots are contiguous too
+        base = base.contiguous()
     got, want = base.clone(), base.clone()
     args = (a, a_rows, a_positions, a_start, b, slot_chunks, miss_slots, miss_count, rope)
     _kernels(impl, kernel_device)[1].rebuild_keys(*args, got)
@@ -183,15 +185,20 @@ def test_rebuild_keys(head_dim, dtype, rope_kind, layout, impl, kernel_device):
 
 
 @pytest.mark.parametrize("head_dim,dtype", [(64, torch.float32), (128, torch.bfloat16)])
-def test_scatter_values(head_dim, dtype, kernel_device):
+@pytest.mark.parametrize("slots", ["contiguous", "strided"])
+@pytest.mark.parametrize("impl", list(KERNELS))
+def test_scatter_values(head_dim, dtype, slots, impl, kernel_device):
     batch, h_kv, k, c = 3, 4, 7, 8
     _, miss_slots, miss_count = _miss_setup(batch, h_kv, k, [k, k, k], kernel_device)
     flat = miss_count.flatten()
     staging_start = (flat.cumsum(0) - flat).view_as(miss_count).to(torch.int32)
     staging = torch.randn(head_dim, int(flat.sum()), c, device=kernel_device).to(dtype).permute(1, 2, 0)
     base = torch.randn(batch, h_kv, k * c, head_dim, device=kernel_device).to(dtype)
+    if slots == "strided":
+        base = base.transpose(0, 1).contiguous().transpose(0, 1)
     got, want = base.clone(), base.clone()
-    rebuild_kernels.scatter_values(staging, staging_start, miss_slots, miss_count, got)
+    _kernels(impl, kernel_device)[1].scatter_values(staging, staging_start, miss_slots,
+                                                    miss_count, got)
     reconstruct.scatter_values(staging, staging_start, miss_slots, miss_count, want)
     assert torch.equal(got, want)
 

@@ -84,7 +84,8 @@ def rebuild_keys(a, a_rows, a_positions, a_start, b, slot_chunks, miss_slots, mi
 
 
 def scatter_values(staging, staging_start, miss_slots, miss_count, slot_v):
-    impl = _kernels("rebuild_kernels") if _use_triton(slot_v) else reconstruct
+    impl = (_kernels("rebuild_kernels") if _use_triton(slot_v)
+            else cpu_kernels if _compiled_cpu(slot_v) else reconstruct)
     impl.scatter_values(staging, staging_start, miss_slots, miss_count, slot_v)
 
 
