@@ -22,7 +22,7 @@ import shutil
 import torch
 from torch.fx.experimental import _config as fx_config
 
-from . import critical_channels, reconstruct
+from . import critical_channels
 from .kivi import unpack_codes
 from .rope import RopeCache, apply_rope
 
@@ -160,7 +160,8 @@ def landmark_scores(q, landmarks, lm_rows, lm_start, lm_count, max_count, scale)
                 continue
             logits = [(_compiled_page_logits if len(pages) > 1 else _page_logits)(
                 qi, pages, n, scale) for pages, n in runs]
-            out[i, :, :count] = _compiled_chunk_scores(torch.cat(logits, dim=-1))
+            out[i, :, :count] = _compiled_chunk_scores(logits[0] if len(logits) == 1 else
+                                                       torch.cat(logits, dim=-1))
     return out
 
 
@@ -211,32 +212,38 @@ def rebuild_keys(a, a_rows, a_positions, a_start, b, slot_chunks, miss_slots, mi
                  rope.is_neox_style, native_bf16_gemm(), slot_k.dtype)
     dest = (slots.unsqueeze(-1) * c + offsets).flatten(2)  # [B, h, w*c]
     wanted = valid.unsqueeze(-1).expand(-1, -1, -1, c).flatten(2)
-    if not slot_k.is_contiguous():
-        bi, hi, ti = wanted.nonzero(as_tuple=True)
-        slot_k[bi, hi, dest[bi, hi, ti]] = keys[bi, hi, ti]
-        return
-    # Rows of the flat slots: one index_copy_ (advanced indexing on both sides cost 2.5x).
-    dest = dest + torch.arange(batch * h_kv).view(batch, h_kv, 1) * slot_k.shape[2]
-    src = wanted.flatten().nonzero().squeeze(1)
-    flat = slot_k.view(-1, slot_k.shape[-1])
-    flat.index_copy_(0, dest.flatten().index_select(0, src),
-                     keys.reshape(-1, keys.shape[-1]).index_select(0, src))
+    picked = wanted.flatten().nonzero().squeeze(1)  # (a boolean index of keys cost 1.3x)
+    _write_slots(slot_k, dest, picked, keys.reshape(-1, keys.shape[-1]).index_select(0, picked))
 
 
 def scatter_values(staging, staging_start, miss_slots, miss_count, slot_v):
-    """Same contract as reconstruct.scatter_values: one index_copy_ of whole slots (c x d rows)
-    into the flat slots, where the reference's advanced indexing on both sides cost 2.5x."""
-    if not slot_v.is_contiguous():
-        return reconstruct.scatter_values(staging, staging_start, miss_slots, miss_count, slot_v)
+    """Same contract as reconstruct.scatter_values, each miss's c x d rows written by
+    ``_write_slots``."""
     batch, h_kv, k = miss_slots.shape
     width = int(miss_count.max()) if miss_count.numel() else 0
     if width == 0:
         return
     valid = torch.arange(width) < miss_count.unsqueeze(-1)  # [B, h, w]
     src = (staging_start.long().unsqueeze(-1) + torch.arange(width))[valid]
-    dest = miss_slots[..., :width].long() + torch.arange(batch * h_kv).view(batch, h_kv, 1) * k
-    rows = staging.reshape(staging.shape[0], -1).index_select(0, src)
-    slot_v.view(batch * h_kv * k, -1).index_copy_(0, dest[valid], rows.to(slot_v.dtype))
+    picked = valid.flatten().nonzero().squeeze(1)
+    _write_slots(slot_v.unflatten(2, (k, -1)), miss_slots[..., :width].long(), picked,
+                 staging.index_select(0, src).to(slot_v.dtype))
+
+
+def _write_slots(slots: torch.Tensor, dest: torch.Tensor, picked: torch.Tensor,
+                 rows: torch.Tensor) -> None:
+    """``rows`` [n, ...] into ``slots`` [B, h, S, ...]: row i at position ``dest[b, h, w]`` of
+    the entry ``picked[i]`` (flat index into ``dest`` [B, h, W]). Contiguous slots (the
+    engine's) take one index_copy_ into their flat rows: advanced indexing on both sides cost
+    2.5x."""
+    batch, h_kv, width = slots.shape[:3]
+    if not slots.is_contiguous():
+        bi, hi, wi = torch.unravel_index(picked, dest.shape)
+        slots[bi, hi, dest[bi, hi, wi]] = rows
+        return
+    flat_dest = dest + torch.arange(batch * h_kv).view(batch, h_kv, 1) * width
+    slots.view(batch * h_kv * width, -1).index_copy_(
+        0, flat_dest.flatten().index_select(0, picked), rows.reshape(rows.shape[0], -1))
 
 
 @_compiled
