@@ -62,7 +62,8 @@ def test_landmark_scores_read_the_pages_in_place(group, head_dim, dtype):
     """The compiled kernel reads a request's landmark rows where they lie in its pages, as the
     engine lays them out (each page: A rows, then ``per_page`` landmark rows), one view per run
     of consecutive pages: requests in one run, in several (pages out of order), with a partly
-    filled last page, one row, and rows in no page pattern (gathered)."""
+    filled last page (read whole and masked; a run of its own where the storage ends inside
+    it), one row, and rows in no page pattern (gathered)."""
     h_kv, per_page, a_elems, s_q = 2, 3, 40, 2
     row = h_kv * head_dim
     page = a_elems + per_page * row
@@ -82,9 +83,16 @@ def test_landmark_scores_read_the_pages_in_place(group, head_dim, dtype):
     starts = torch.cumsum(counts, 0, dtype=torch.int32) - counts
     kinds = [[(tuple(v.shape[:2]), n) for v, n in cpu_kernels._landmark_pages(landmarks, r)]
              for r in requests]
-    assert kinds == [[((4, 3), 12)], [((2, 3), 6), ((3, 3), 9), ((1, 2), 2)], [((1, 1), 1)],
-                     [((2, 3), 6), ((1, 2), 2)], [((4, 2), 8), ((1, 1), 1)],
+    assert kinds == [[((4, 3), 12)], [((2, 3), 6), ((3, 3), 9), ((1, 3), 2)], [((1, 1), 1)],
+                     [((3, 3), 8)], [((4, 2), 8), ((1, 1), 1)],
                      [((1, 3), 3), ((1, 3), 3), ((1, 3), 3)]]
+    short = flat[: 63 * page + a_elems + 2 * row].clone()  # ends two rows into page 63
+    short_view = torch.as_strided(short, (short.numel() - row + 1, h_kv, head_dim),
+                                  (1, head_dim, 1))
+    assert [(tuple(v.shape[:2]), n) for v, n in cpu_kernels._landmark_pages(
+        short_view, rows_in([62, 63], 5))] == [((1, 3), 3), ((1, 2), 2)]
+    unused = 42 * page + a_elems + 2 * row  # the row after the fourth request's last
+    flat[unused: unused + row] = float("nan")  # read with its page, masked out of the scores
     q = torch.randn(len(requests), s_q, h_kv * group, head_dim).to(dtype)
     scale = head_dim ** -0.5
     got = cpu_kernels.landmark_scores(q, landmarks, lm_rows, starts, counts, 17, scale)

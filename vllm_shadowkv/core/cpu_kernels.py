@@ -46,8 +46,12 @@ def _one_graph(compiled, dynamic_dims: tuple[tuple[int, ...], ...] = ()):
         for arg, dims in zip(args, dynamic_dims):
             for dim in dims:
                 torch._dynamo.maybe_mark_dynamic(arg, dim)
-        with fx_config.patch(use_duck_shape=False):
+        duck = fx_config.use_duck_shape  # (set by hand: fx_config.patch cost 15 us a call)
+        fx_config.use_duck_shape = False
+        try:
             return compiled(*args)
+        finally:
+            fx_config.use_duck_shape = duck
 
     return call
 
@@ -102,11 +106,13 @@ MAX_RUNS = 16  # more runs of pages than this: one gather, then one pass
 
 
 def _landmark_pages(landmarks: torch.Tensor, rows: torch.Tensor):
-    """One request's landmark rows as ``[(pages [m, p, h_kv, d], rows in them)]``: views in
-    place, one per run of full pages that lie at one stride (vLLM hands a request's blocks out
+    """One request's landmark rows as ``[(pages [m, p, h_kv, d], valid rows in them)]``: views
+    in place, one per run of pages that lie at one stride (vLLM hands a request's blocks out
     mostly in order, so a request is one or a few runs), each page holding ``p`` rows at one
-    stride, and the rows of a partly filled last page. Rows in no such pattern are gathered
-    (``_gathered``)."""
+    stride. A partly filled last page joins its run whole (its rows past the valid count are
+    masked, not read into the scores), so the common request is one run and one compiled call;
+    where the storage ends before that page does, it is a run of its own. Rows in no such
+    pattern are gathered (``_gathered``)."""
     n = rows.numel()
     if n < 2:
         return _gathered(landmarks, rows)
@@ -114,28 +120,33 @@ def _landmark_pages(landmarks: torch.Tensor, rows: torch.Tensor):
     page_starts = (steps != steps[0]).nonzero().flatten() + 1  # rows that open a page
     per_page = int(page_starts[0]) if page_starts.numel() else n
     full, tail = divmod(n, per_page)
-    if (page_starts.numel() != full + (tail > 0) - 1 or bool((page_starts % per_page).any())
+    num_pages = full + (tail > 0)
+    if (page_starts.numel() != num_pages - 1 or bool((page_starts % per_page).any())
             or int(steps[0]) <= 0):
         return _gathered(landmarks, rows)  # pages of unequal row counts, rows not ascending
     firsts = rows[::per_page]
-    jumps = firsts[1:full] - firsts[:full - 1]
+    jumps = firsts[1:] - firsts[:-1]
     ascending = jumps[jumps > 0]  # (views take no negative strides)
     stride = int(torch.mode(ascending).values) if ascending.numel() else 0
     breaks = ((jumps != stride).nonzero().flatten() + 1).tolist()
     if len(breaks) >= MAX_RUNS:
         return _gathered(landmarks, rows)
     row_stride, (s_n, s_h, s_d) = int(steps[0]), landmarks.stride()
+    firsts = firsts.tolist()
 
-    def view(first_page: int, pages: int, per: int, page_stride: int):
+    def view(first_page: int, pages: int, per: int):
         return torch.as_strided(landmarks, (pages, per, *landmarks.shape[1:]),
-                                (page_stride * s_n, row_stride * s_n, s_h, s_d),
-                                landmarks.storage_offset() + int(firsts[first_page]) * s_n)
+                                (stride * s_n, row_stride * s_n, s_h, s_d),
+                                landmarks.storage_offset() + firsts[first_page] * s_n)
 
-    views = [(view(a, b - a, per_page, stride), (b - a) * per_page)
-             for a, b in zip([0, *breaks], [*breaks, full])]
-    if tail:
-        views.append((view(full, 1, tail, stride), tail))
-    return views
+    last_row = (firsts[-1] + (per_page - 1) * row_stride) * s_n + landmarks.storage_offset()
+    end = last_row + (landmarks.shape[1] - 1) * s_h + (landmarks.shape[2] - 1) * s_d
+    if tail and end >= landmarks.untyped_storage().nbytes() // landmarks.element_size():
+        return ([(view(a, b - a, per_page), (b - a) * per_page)
+                 for a, b in zip([0, *breaks], [*breaks, full]) if b > a]
+                + [(view(full, 1, tail), tail)])
+    return [(view(a, b - a, per_page), min(b * per_page, n) - a * per_page)
+            for a, b in zip([0, *breaks], [*breaks, num_pages])]
 
 
 def _gathered(landmarks: torch.Tensor, rows: torch.Tensor):
