@@ -13,12 +13,14 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
+from vllm_shadowkv.eval.report import load_runs, percent
+
 
 def load(folders: list[Path]) -> dict[tuple, dict]:
     """(backend, task, length, depth, seed) -> record, first folder first."""
     records = {}
-    for folder in folders:
-        for r in json.loads((folder / "results.json").read_text())["records"]:
+    for run in load_runs(folders):
+        for r in run["records"]:
             key = (r["backend"], r["task"], r["length"], r["depth"], r.get("seed", 0))
             records.setdefault(key, r)
     return records
@@ -44,12 +46,10 @@ def pool(records: dict[tuple, dict], backends: list[str], dense: str) -> list[di
             rows.append({
                 "backend": backend, "length": length, "prompts": len(mine),
                 "seeds": sorted({p[2] for p in mine}),
-                "by_task": {t: (100 * sum(s) / len(s), len(s)) for t, s in sorted(by_task.items())},
-                "mean": 100 * sum(mine.values()) / len(mine),
-                "dense_same": (100 * sum(reference[p] for p in shared) / len(shared)
-                               if shared else None),
-                "on_solved": (100 * sum(mine[p] for p in solved) / len(solved), len(solved))
-                if solved else None,
+                "by_task": {t: (percent(s), len(s)) for t, s in sorted(by_task.items())},
+                "mean": percent(mine.values()),
+                "dense_same": percent(reference[p] for p in shared) if shared else None,
+                "on_solved": (percent(mine[p] for p in solved), len(solved)) if solved else None,
             })
     return rows
 

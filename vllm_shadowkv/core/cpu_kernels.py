@@ -141,12 +141,13 @@ def _landmark_pages(landmarks: torch.Tensor, rows: torch.Tensor):
 
     last_row = (firsts[-1] + (per_page - 1) * row_stride) * s_n + landmarks.storage_offset()
     end = last_row + (landmarks.shape[1] - 1) * s_h + (landmarks.shape[2] - 1) * s_d
-    if tail and end >= landmarks.untyped_storage().nbytes() // landmarks.element_size():
-        return ([(view(a, b - a, per_page), (b - a) * per_page)
-                 for a, b in zip([0, *breaks], [*breaks, full]) if b > a]
-                + [(view(full, 1, tail), tail)])
-    return [(view(a, b - a, per_page), min(b * per_page, n) - a * per_page)
-            for a, b in zip([0, *breaks], [*breaks, num_pages])]
+    fits = end < landmarks.untyped_storage().nbytes() // landmarks.element_size()
+    joined = num_pages if fits else full  # pages in the runs; a last page apart if not
+    views = [(view(a, b - a, per_page), min(b * per_page, n) - a * per_page)
+             for a, b in zip([0, *breaks], [*breaks, joined]) if b > a]
+    if joined < num_pages:
+        views.append((view(full, 1, tail), tail))
+    return views
 
 
 def _gathered(landmarks: torch.Tensor, rows: torch.Tensor):

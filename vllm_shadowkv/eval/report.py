@@ -7,7 +7,8 @@ from collections import defaultdict
 from pathlib import Path
 
 
-def _mean(xs) -> float:
+def percent(xs) -> float:
+    """Mean of 0..1 scores, in %."""
     xs = list(xs)
     return 100.0 * sum(xs) / len(xs) if xs else float("nan")
 
@@ -30,11 +31,13 @@ def summarize(records: list[dict]) -> dict:
         if "mode" in r:
             modes[(r["backend"], r["length"])].append(r)
     return {
-        "by_task": [{"backend": b, "task": t, "length": n, "accuracy": _mean(s), "samples": len(s),
-                     "decode_accuracy": _mean(decode[(b, t, n)]) if decode[(b, t, n)] else None,
+        "by_task": [{"backend": b, "task": t, "length": n, "accuracy": percent(s),
+                     "samples": len(s),
+                     "decode_accuracy": percent(decode[(b, t, n)]) if decode[(b, t, n)] else None,
                      "decode_samples": len(decode[(b, t, n)])}
                     for (b, t, n), s in sorted(by_task.items())],
-        "by_depth": [{"backend": b, "depth": d, "length": n, "accuracy": _mean(s), "samples": len(s)}
+        "by_depth": [{"backend": b, "depth": d, "length": n, "accuracy": percent(s),
+                      "samples": len(s)}
                      for (b, d, n), s in sorted(by_depth.items())],
         "by_length": [{"backend": b, "length": n, "requests": len(rs),
                        "sparse": sum(r["mode"] == "sparse" for r in rs),
@@ -180,12 +183,19 @@ def plots(summary: dict, backends: list[str], out: Path) -> list[Path]:
     return paths
 
 
+def load_runs(dirs: list[Path]) -> list[dict]:
+    """The results.json of each run directory, in order."""
+    import json
+
+    return [json.loads((Path(d) / "results.json").read_text()) for d in dirs]
+
+
 def merge(out: Path, dirs: list[Path]) -> dict:
     """One report from several runs' results.json (e.g. a long context run separately, with
     fewer samples): records and engines concatenated, tables and plots rebuilt into ``out``."""
     import json
 
-    runs = [json.loads((Path(d) / "results.json").read_text()) for d in dirs]
+    runs = load_runs(dirs)
     records = [r for run in runs for r in run["records"]]
     engines = [e for run in runs for e in run["meta"].get("engines", [])]
     labels = list(dict.fromkeys(b for run in runs for b in run["meta"]["backends"]))
