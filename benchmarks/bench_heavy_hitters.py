@@ -6,9 +6,14 @@ through vLLM's CPU kernel (what the default backend's prefill runs), in one run:
   which also gives each row's LSE (vLLM's does not), then the H2O column sums from that LSE
   (core/heavy_hitters.accumulate_column_sums, a transposed flash pass per query group);
 * column sums alone, their rows' LSE from a pass of their own (where the caller has none);
-* the explicit fp32 tiles (chunk_column_sums_reference, what other devices run).
+* the explicit fp32 tiles (chunk_column_sums_reference, the reference).
+
+With ``--device cuda`` the exact attention is the engine's CUDA path (torch SDPA) and the column
+sums are the Triton kernels (triton_kernels/heavy_hitter_kernels.py) with their own LSE pass,
+which is what MiniKV's prefill runs there ("minikv" = attention + column sums).
 
   python benchmarks/bench_heavy_hitters.py --out benchmarks/heavy_hitters/cpu.json
+  python benchmarks/bench_heavy_hitters.py --device cuda --lengths 16384,32768 --reps 3
 """
 
 import argparse
@@ -27,19 +32,21 @@ from vllm_shadowkv.core.heavy_hitters import accumulate_column_sums, chunk_colum
 H_Q, H_KV, HEAD_DIM = 32, 8, 128
 
 
-def chunked(fn, length: int, chunk: int) -> float:
+def chunked(fn, length: int, chunk: int, device: torch.device) -> float:
     """Seconds for ``fn(start, end)`` over every chunk of a ``length``-token prompt."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync()
     t0 = time.perf_counter()
     for start in range(0, length, chunk):
         fn(start, min(start + chunk, length))
+    sync()
     return time.perf_counter() - t0
 
 
-def measure(length: int, chunk: int, reps: int, tiles_too: bool) -> dict:
+def measure(length: int, chunk: int, reps: int, tiles_too: bool, device: torch.device) -> dict:
     gen = torch.Generator().manual_seed(length)
-    q = torch.randn(length, H_Q, HEAD_DIM, generator=gen).bfloat16()
-    k = torch.randn(length, H_KV, HEAD_DIM, generator=gen).bfloat16()
-    v = torch.randn(length, H_KV, HEAD_DIM, generator=gen).bfloat16()
+    q, k, v = (torch.randn(length, heads, HEAD_DIM, generator=gen).bfloat16().to(device)
+               for heads in (H_Q, H_KV, H_KV))
     scale = HEAD_DIM ** -0.5
     sums = {}
 
@@ -47,7 +54,11 @@ def measure(length: int, chunk: int, reps: int, tiles_too: bool) -> dict:
         causal_attention(q[start:end], k[:end], v[:end], scale)
 
     def minikv(start, end):
-        _, lse = causal_attention_cpu(q[start:end], k[:end], v[:end], scale)
+        lse = None
+        if device.type == "cpu":
+            _, lse = causal_attention_cpu(q[start:end], k[:end], v[:end], scale)
+        else:  # the engine's CUDA attention gives no LSE: the kernels take their own
+            attend(start, end)
         sums["total"] = accumulate_column_sums(sums.get("total") if start else None,
                                                q[start:end], k[:end], scale, lse)
 
@@ -59,10 +70,12 @@ def measure(length: int, chunk: int, reps: int, tiles_too: bool) -> dict:
         chunk_column_sums_reference(q[start:end], k[:end], scale)
 
     attend(0, min(chunk, length))  # vLLM's kernel: its first call sets up for seconds
-    attention_s = min(chunked(attend, length, chunk) for _ in range(reps))
-    minikv_s = min(chunked(minikv, length, chunk) for _ in range(reps))
-    sums_s = min(chunked(column_sums, length, chunk) for _ in range(reps))
-    tiles_s = min(chunked(tiles, length, chunk) for _ in range(reps)) if tiles_too else None
+    column_sums(0, min(chunk, length))  # Triton's first launch compiles
+    attention_s = min(chunked(attend, length, chunk, device) for _ in range(reps))
+    minikv_s = min(chunked(minikv, length, chunk, device) for _ in range(reps))
+    sums_s = min(chunked(column_sums, length, chunk, device) for _ in range(reps))
+    tiles_s = (min(chunked(tiles, length, chunk, device) for _ in range(reps)) if tiles_too
+               else None)
     return {"prompt_tokens": length, "chunk_tokens": chunk, "attention_s": attention_s,
             "minikv_s": minikv_s, "minikv_ratio": minikv_s / attention_s,
             "column_sums_s": sums_s, "ratio": sums_s / attention_s,
@@ -77,21 +90,25 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--no-tiles", action="store_true", help="skip the fp32 tiles (slow)")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    rows = [measure(int(n), args.chunk, args.reps, not args.no_tiles)
+    device = torch.device(args.device)
+    rows = [measure(int(n), args.chunk, args.reps, not args.no_tiles, device)
             for n in tqdm(args.lengths.split(","), desc="prompt lengths")]
     for r in rows:
         tiles = (f"; fp32 tiles {r['fp32_tiles_s']:.2f} s, {r['tiles_ratio']:.2f}x"
                  if r["fp32_tiles_s"] else "")
-        print(f"{r['prompt_tokens']:>6} tokens in chunks of {r['chunk_tokens']}: vLLM's exact "
+        print(f"{r['prompt_tokens']:>6} tokens in chunks of {r['chunk_tokens']}: the exact "
               f"attention {r['attention_s']:.2f} s; minikv's (attention with LSE + column sums) "
               f"{r['minikv_s']:.2f} s, {r['minikv_ratio']:.2f}x; column sums with their own "
               f"LSE pass {r['column_sums_s']:.2f} s, {r['ratio']:.2f}x{tiles}")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        meta = {"machine": platform.processor() or platform.machine(), "threads": args.threads,
+        machine = (torch.cuda.get_device_name() if device.type == "cuda"
+                   else platform.processor() or platform.machine())
+        meta = {"machine": machine, "device": args.device, "threads": args.threads,
                 "torch": torch.__version__, "shapes": [H_Q, H_KV, HEAD_DIM], "dtype": "bf16"}
         args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
 

@@ -4,7 +4,7 @@ layer budgets (core/heavy_hitters.py). Fresh random inputs each test."""
 import pytest
 import torch
 
-from vllm_shadowkv.core import heavy_hitters
+from vllm_shadowkv.core import heavy_hitters, ops
 from vllm_shadowkv.core.attention import causal_attention_cpu
 from vllm_shadowkv.core.heavy_hitters import (accumulate_column_sums, layer_budgets,
                                               select_heavy_hitters)
@@ -22,38 +22,41 @@ def dense_column_sums(q, k, scale):
     return probs.sum(dim=1).view(h_kv, h_q // h_kv, length).sum(dim=1)
 
 
-@pytest.mark.parametrize("impl", ["flash", "tiles"])
+@pytest.mark.parametrize("impl", ["flash", "tiles", "triton"])
 @pytest.mark.parametrize("gqa", [1, 4, 8])
 @pytest.mark.parametrize("chunks, head_dim", [([97], 64), ([37, 1, 59], 80), ([64, 33], 128)])
 @pytest.mark.parametrize("given_lse", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_chunked_column_sums_equal_one_pass(impl, gqa, chunks, head_dim, given_lse, dtype,
-                                            monkeypatch):
-    """The CPU's flash path and the fp32 tiles (what other devices run) against the dense map,
-    with the rows' LSE computed inside or handed over from the prefill's exact attention."""
+                                            monkeypatch, kernel_device):
+    """The CPU's flash path, the fp32 tiles and the Triton kernel (what CUDA runs; interpreted
+    on the CPU) against the dense map, with the rows' LSE computed inside or handed over from
+    the prefill's exact attention."""
     if impl == "tiles":
         monkeypatch.setattr(heavy_hitters, "_chunk_column_sums_cpu",
                             heavy_hitters.chunk_column_sums_reference)
     # Small tiles, so that queries and keys are both split within a chunk.
     monkeypatch.setattr(heavy_hitters, "QUERY_BLOCK", 16)
     monkeypatch.setattr(heavy_hitters, "KEY_BLOCK", 24)
+    device = kernel_device if impl == "triton" else torch.device("cpu")
     h_kv, length = 2, sum(chunks)
     q = torch.randn(length, h_kv * gqa, head_dim).to(dtype)
     k = torch.randn(length, h_kv, head_dim).to(dtype)
     scale = head_dim ** -0.5
     col_sums, start = None, 0
-    for n in chunks:
-        lse = causal_attention_cpu(q[start:start + n], k[:start + n], k[:start + n],
-                                   scale)[1] if given_lse else None
-        col_sums = accumulate_column_sums(col_sums, q[start:start + n], k[:start + n], scale,
-                                          lse)
-        start += n
-        assert col_sums.shape == (h_kv, start) and col_sums.dtype == torch.float32
+    with ops.kernel_mode("triton" if impl == "triton" else "auto"):
+        for n in chunks:
+            lse = causal_attention_cpu(q[start:start + n], k[:start + n], k[:start + n],
+                                       scale)[1].to(device) if given_lse else None
+            col_sums = accumulate_column_sums(col_sums, q[start:start + n].to(device),
+                                              k[:start + n].to(device), scale, lse)
+            start += n
+            assert col_sums.shape == (h_kv, start) and col_sums.dtype == torch.float32
     want = dense_column_sums(q, k, scale)
-    torch.testing.assert_close(col_sums, want, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(col_sums.cpu(), want, atol=1e-4, rtol=1e-4)
     # Every query row's probabilities sum to 1.
-    torch.testing.assert_close(col_sums.sum(dim=-1), torch.full((h_kv,), length * gqa * 1.0),
-                               rtol=1e-5, atol=0)
+    torch.testing.assert_close(col_sums.sum(dim=-1).cpu(),
+                               torch.full((h_kv,), length * gqa * 1.0), rtol=1e-5, atol=0)
 
 
 def test_selection_per_kv_head_from_group_sums():

@@ -6,9 +6,9 @@ test."""
 import pytest
 import torch
 
-from vllm_shadowkv.core import cpu_kernels, ops, reconstruct, select
+from vllm_shadowkv.core import cpu_kernels, heavy_hitters, ops, reconstruct, select
 from vllm_shadowkv.core.rope import RopeCache
-from vllm_shadowkv.triton_kernels import rebuild_kernels, select_kernels
+from vllm_shadowkv.triton_kernels import heavy_hitter_kernels, rebuild_kernels, select_kernels
 
 from core_rope_util import default_rope
 
@@ -226,6 +226,24 @@ def test_dispatch_routes_to_kernels(monkeypatch):
     with ops.kernel_mode("torch"):
         ops.landmark_scores(*args)
     assert calls == ["cpu" if cpu_kernels.available() else "torch", "triton", "torch"]
+
+
+@pytest.mark.parametrize("start, n", [(0, 97), (130, 70), (90, 1)])
+@pytest.mark.parametrize("group,head_dim,dtype", GRID + [(4, 80, torch.bfloat16)])
+@pytest.mark.parametrize("given_lse", [False, True])
+def test_column_sums(start, n, group, head_dim, dtype, given_lse, kernel_device):
+    """One prefill chunk's H2O column sums: n queries at positions [start, start + n) over
+    start + n keys, several blocks of keys and rows (and a row alone), non-contiguous inputs,
+    a head_dim that is no power of two."""
+    h_kv, scale = 3, head_dim ** -0.5
+    q = torch.randn(h_kv * group, n, head_dim, device=kernel_device).to(dtype).transpose(0, 1)
+    k = torch.randn(start + n, h_kv, 2 * head_dim, device=kernel_device).to(dtype)[..., ::2]
+    lse = None
+    if given_lse:  # any LSE: the kernel must use the one it is handed
+        lse = torch.randn(h_kv, group, n, device=kernel_device) + 4.0
+    got = heavy_hitter_kernels.chunk_column_sums(q, k, scale, lse)
+    want = heavy_hitters.chunk_column_sums_reference(q, k, scale, lse)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
 def test_compiles_names_the_paths_that_compile_on_first_use():

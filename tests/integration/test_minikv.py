@@ -52,7 +52,8 @@ def test_defaults_compress_and_stay_close_to_dense(tmp_path):
 
 def test_triton_kernel_over_quantized_pages_gives_the_torch_tokens(tiny_model, tmp_path):
     """The fused dequantize-attend kernel (under TRITON_INTERPRET=1) on the pages of a 2-bit
-    compressed request, with a generated-token fold, against the blocked torch path."""
+    compressed request, with a generated-token fold, and the column-sum kernel behind its
+    heavy hitters, against the torch path."""
     batch = [long_prompt(55, 5)]  # ~330 tokens
     settings = {"min_sparse_len": 256, "residual": 16}
     runs = {}

@@ -12,8 +12,9 @@ materialised. The rows' LSE comes from the prefill's own exact attention where t
 column sums are then the LSE of the transposed attention through the same flash kernel, in the
 inputs' dtype: each key asks the chunk's query rows, and each row carries its own -LSE in three
 extra channels (a 16-bit high, middle and low part: exact to fp32 rounding). About the exact
-attention's time again (benchmarks/bench_heavy_hitters.py). Elsewhere the logits are taken in
-fp32 tiles of QUERY_BLOCK x KEY_BLOCK: ``chunk_column_sums_reference``.
+attention's time again (benchmarks/bench_heavy_hitters.py). On CUDA (and in "triton" kernel mode)
+a Triton kernel takes them (triton_kernels/heavy_hitter_kernels.py); the reference takes the
+logits in fp32 tiles of QUERY_BLOCK x KEY_BLOCK: ``chunk_column_sums_reference``.
 """
 
 import torch
@@ -49,9 +50,10 @@ def accumulate_column_sums(
     lse [h_kv, G, n] fp32 the chunk's causal attention LSE per query row, if the caller has
     it (else computed here). -> [h_kv, start + n] fp32.
     """
+    from . import ops  # (imported here: ops dispatches to this module's implementations)
+
     start = k.shape[0] - q.shape[0]
-    chunk = (_chunk_column_sums_cpu if q.device.type == "cpu"
-             else chunk_column_sums_reference)(q, k, scale, lse)
+    chunk = ops.column_sums(q, k, scale, lse)
     if col_sums is not None:
         assert col_sums.shape == (k.shape[1], start)
         chunk[:, :start] += col_sums

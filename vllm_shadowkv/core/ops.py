@@ -12,7 +12,7 @@ import importlib.util
 import torch
 
 from . import quant_attention as quant_path
-from . import cpu_kernels, critical_channels, mixed_attention, reconstruct, select
+from . import cpu_kernels, critical_channels, heavy_hitters, mixed_attention, reconstruct, select
 
 _HAS_TRITON = importlib.util.find_spec("triton") is not None
 KERNEL_MODES = ("auto", "triton", "torch")
@@ -99,3 +99,13 @@ def quant_logits(q, groups, group_table, group_count, fmt, scale):
     impl = (_kernels("quant_kernels") if _use_triton(q)
             else cpu_kernels if _compiled_cpu(q) else mixed_attention)
     return impl.quant_logits(q, groups, group_table, group_count, fmt, scale)
+
+
+def column_sums(q, k, scale, lse=None):
+    """One prefill chunk's H2O column sums. On the CPU, outside "triton" mode, torch's flash
+    kernel computes them (``heavy_hitters._chunk_column_sums_cpu``) in every mode."""
+    if _use_triton(q):
+        return _kernels("heavy_hitter_kernels").chunk_column_sums(q, k, scale, lse)
+    impl = (heavy_hitters._chunk_column_sums_cpu if q.device.type == "cpu"
+            else heavy_hitters.chunk_column_sums_reference)
+    return impl(q, k, scale, lse)
