@@ -4,6 +4,13 @@ inputs, which torch sends to its flash kernel, against the 3-D inputs the engine
 reported as ratios; outputs compared.
 
   python benchmarks/bench_exact_attention.py --out benchmarks/exact_attention/cpu.json
+
+With ``--device cuda``: the engine's CUDA path, one Triton kernel over the pages in place with
+each row's LSE (triton_kernels/prefill_kernels.py), against its path before it (the tokens
+gathered out of the pages, then torch SDPA with an explicit [q, s] mask for a later chunk), with
+each path's peak extra GPU memory; longer contexts.
+
+  python benchmarks/bench_exact_attention.py --device cuda --out gpu_results/exact_attention.json
 """
 
 import argparse
@@ -16,11 +23,14 @@ import torch
 from tqdm import tqdm
 
 from vllm_shadowkv.backend.exact_attention import causal_attention
+from vllm_shadowkv.core import ops
 
 # (query tokens, context tokens): whole-prompt prefill, a later 1K chunk of a chunked prefill,
 # and one decode token; at Llama-3.1-8B shapes (32 query / 8 KV heads, head_dim 128).
 CASES = [(4096, 4096), (1024, 8192), (1, 16384)]
 H_Q, H_KV, HEAD_DIM = 32, 8, 128
+CUDA_CASES = [(4096, 4096), (16384, 16384), (2048, 32768), (2048, 131072), (1, 131072)]
+BLOCK_SIZE = 128  # tokens per page
 
 
 def math_kernel(query, key, value, scale):
@@ -37,33 +47,84 @@ def math_kernel(query, key, value, scale):
     return out.transpose(0, 1).to(query.dtype)
 
 
+def gathered_sdpa(query, kv, blocks, slots, scale):
+    """The engine's CUDA call before the Triton kernel: the tokens gathered out of the pages."""
+    tokens = kv[blocks, slots]
+    return causal_attention(query, tokens[:, 0], tokens[:, 1], scale)
+
+
 def timed(fn, reps: int) -> float:
     fn()
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    sync()
     start = time.perf_counter()
     for _ in range(reps):
         fn()
+    sync()
     return (time.perf_counter() - start) / reps
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--reps", type=int, default=2)
-    parser.add_argument("--out", type=Path, default=None, help="JSON path")
-    args = parser.parse_args()
-    torch.manual_seed(0)
+def peak_mib(fn) -> float:
+    """Extra GPU memory at the peak of one call, beyond what was allocated before it."""
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - before) / 2**20
+
+
+def cuda_rows(reps: int) -> list[dict]:
+    rows = []
+    for q_len, s_len in tqdm(CUDA_CASES, desc="exact attention (cuda)", unit="case"):
+        pages = -(-s_len // BLOCK_SIZE)
+        kv = torch.randn(pages, BLOCK_SIZE, 2, H_KV, HEAD_DIM, dtype=torch.bfloat16,
+                         device="cuda")
+        where = torch.randperm(pages * BLOCK_SIZE, device="cuda")[:s_len]  # scattered pages
+        blocks, slots = where // BLOCK_SIZE, where % BLOCK_SIZE
+        q = torch.randn(q_len, H_Q, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
+        scale = HEAD_DIM ** -0.5
+        triton_call = lambda: ops.paged_causal_attention(q, kv, blocks, slots, scale)  # noqa: E731
+        before_call = lambda: gathered_sdpa(q, kv, blocks, slots, scale)  # noqa: E731
+        triton_s, before_s = timed(triton_call, reps), timed(before_call, reps)
+        diff = triton_call()[0].float() - before_call().float()
+        rows.append({"query_tokens": q_len, "context_tokens": s_len,
+                     "triton_ms": triton_s * 1e3, "gathered_sdpa_ms": before_s * 1e3,
+                     "speedup": before_s / triton_s, "triton_peak_mib": peak_mib(triton_call),
+                     "gathered_sdpa_peak_mib": peak_mib(before_call),
+                     "max_abs_diff": float(diff.abs().max())})
+        del kv, q
+        torch.cuda.empty_cache()
+    return rows
+
+
+def cpu_rows(reps: int) -> list[dict]:
     rows = []
     for q_len, s_len in tqdm(CASES, desc="exact attention", unit="case"):
         q = torch.randn(q_len, H_Q, HEAD_DIM, dtype=torch.bfloat16)
         k, v = (torch.randn(s_len, H_KV, HEAD_DIM, dtype=torch.bfloat16) for _ in range(2))
         scale = HEAD_DIM ** -0.5
-        engine = timed(lambda: causal_attention(q, k, v, scale), args.reps)
-        before = timed(lambda: math_kernel(q, k, v, scale), args.reps)
+        engine = timed(lambda: causal_attention(q, k, v, scale), reps)
+        before = timed(lambda: math_kernel(q, k, v, scale), reps)
         diff = (causal_attention(q, k, v, scale).float() - math_kernel(q, k, v, scale).float())
         rows.append({"query_tokens": q_len, "context_tokens": s_len, "engine_ms": engine * 1e3,
                      "math_kernel_ms": before * 1e3, "speedup": before / engine,
                      "max_abs_diff": float(diff.abs().max())})
-    result = {"machine": platform.processor() or platform.machine(),
-              "threads": torch.get_num_threads(), "rows": rows}
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--reps", type=int, default=2)
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--out", type=Path, default=None, help="JSON path")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    if args.device == "cuda":
+        result = {"machine": torch.cuda.get_device_name(), "rows": cuda_rows(args.reps)}
+    else:
+        result = {"machine": platform.processor() or platform.machine(),
+                  "threads": torch.get_num_threads(), "rows": cpu_rows(args.reps)}
     print(json.dumps(result, indent=1))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -2,8 +2,9 @@
 # The GPU checks in one call, for a CUDA machine with torch and Triton (vLLM not needed): the
 # Triton kernels against their torch references, the CUDA decode path (pinned store, copy
 # stream) against the CPU's, SpeCache's deferred slot fetch on CUDA, the decode-step
-# benchmark at Llama-3.1-8B shapes, and MiniKV's column sums (Triton) against the prefill's
-# exact attention there.
+# benchmark at Llama-3.1-8B shapes, the engine's exact attention (the paged Triton kernel
+# against its gathered-SDPA predecessor, time and peak memory) and MiniKV's column sums
+# (Triton) against it.
 # Results go to ${OUT:-gpu_results}/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -19,5 +20,7 @@ python -m pytest -q -p no:cacheprovider --rootdir=. -c /dev/null tests/core \
     2>&1 | tee "$OUT/gpu_tests.txt"
 python benchmarks/bench_decode_step.py --device cuda --out "$OUT/decode_step_cuda.json" \
     2>&1 | tee "$OUT/decode_step_cuda.txt"
+python benchmarks/bench_exact_attention.py --device cuda --reps 3 \
+    --out "$OUT/exact_attention_cuda.json" 2>&1 | tee "$OUT/exact_attention_cuda.txt"
 python benchmarks/bench_heavy_hitters.py --device cuda --lengths 16384,32768 --reps 3 \
     --out "$OUT/heavy_hitters_cuda.json" 2>&1 | tee "$OUT/heavy_hitters_cuda.txt"

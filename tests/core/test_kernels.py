@@ -6,9 +6,10 @@ test."""
 import pytest
 import torch
 
-from vllm_shadowkv.core import cpu_kernels, heavy_hitters, ops, reconstruct, select
+from vllm_shadowkv.core import attention, cpu_kernels, heavy_hitters, ops, reconstruct, select
 from vllm_shadowkv.core.rope import RopeCache
-from vllm_shadowkv.triton_kernels import heavy_hitter_kernels, rebuild_kernels, select_kernels
+from vllm_shadowkv.triton_kernels import (heavy_hitter_kernels, prefill_kernels, rebuild_kernels,
+                                          select_kernels)
 
 from core_rope_util import default_rope
 
@@ -244,6 +245,28 @@ def test_column_sums(start, n, group, head_dim, dtype, given_lse, kernel_device)
     got = heavy_hitter_kernels.chunk_column_sums(q, k, scale, lse)
     want = heavy_hitters.chunk_column_sums_reference(q, k, scale, lse)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("seq_len, q_len", [(150, 150), (203, 70), (90, 1)])
+@pytest.mark.parametrize("group,head_dim,dtype", GRID + [(4, 80, torch.bfloat16)])
+def test_paged_causal_attention(seq_len, q_len, group, head_dim, dtype, kernel_device):
+    """The exact attention over pages: a whole prompt, a later chunk after a prefix, one decode
+    row; the tokens scattered over shuffled pages and slots (as a block table puts them), a
+    head_dim that is no power of two."""
+    h_kv, per_page, scale = 3, 16, head_dim ** -0.5
+    pages = -(-seq_len // per_page) + 2
+    kv = torch.randn(pages, per_page, 2, h_kv, head_dim, device=kernel_device).to(dtype)
+    where = torch.randperm(pages * per_page, device=kernel_device)[:seq_len]
+    blocks, slots = where // per_page, where % per_page
+    q = torch.randn(h_kv * group, q_len, head_dim, device=kernel_device).to(dtype).transpose(0, 1)
+    got = prefill_kernels.paged_causal_attention(q, kv, blocks, slots, scale)
+    want = attention.paged_causal_attention_reference(q, kv, blocks, slots, scale)
+    torch.testing.assert_close(got[0], want[0], **_tol(dtype))
+    torch.testing.assert_close(got[1], want[1], atol=1e-4, rtol=1e-4)
+    if kernel_device.type == "cpu":  # the CPU engine's own path: gathered tokens, flash kernel
+        tokens = kv[blocks, slots]
+        flash = attention.causal_attention_cpu(q, tokens[:, 0], tokens[:, 1], scale)
+        torch.testing.assert_close(want[1], flash[1], atol=1e-4, rtol=1e-4)
 
 
 def test_compiles_names_the_paths_that_compile_on_first_use():

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from vllm_shadowkv.core import ops
 from vllm_shadowkv.core.attention import causal_attention_cpu
 
 if TYPE_CHECKING:
@@ -117,9 +118,15 @@ def exact_attention(kv_cache, layout: PageLayout, prompt_len: int, block_ids, se
                     query: torch.Tensor, scale: float, with_lse: bool = False
                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A request's causal attention over its exact pages -> (out, lse): lse ``[h_kv, G, q]``
-    fp32 only if ``with_lse`` and on the CPU (torch's flash kernel; vLLM's gives none), else
-    None."""
+    fp32 only if ``with_lse``, else None. Where the Triton kernels run (CUDA), one kernel reads
+    the pages in place and gives the LSE with the output; on the CPU the tokens are gathered
+    for vLLM's kernel, or for torch's flash kernel when the LSE is wanted (vLLM's gives none)."""
     positions = torch.arange(seq_len, device=query.device)
+    if ops.uses_triton(query):
+        blocks, slots = layout.exact_token_slots(prompt_len, block_ids, positions)
+        out, lse = ops.paged_causal_attention(query, exact_view(kv_cache, layout), blocks,
+                                              slots, scale)
+        return out, lse if with_lse else None
     key, value = read_exact(kv_cache, layout, prompt_len, block_ids, positions)
     if with_lse and query.device.type == "cpu":
         return causal_attention_cpu(query, key, value, scale)

@@ -101,6 +101,24 @@ def attention_with_lse_reference(
     return out.to(q.dtype), lse
 
 
+def paged_causal_attention_reference(
+    query: torch.Tensor, kv: torch.Tensor, blocks: torch.Tensor, slots: torch.Tensor,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The last ``q`` positions of a sequence attend all its ``s`` tokens, causally, their keys
+    and values in pages: query [q, Hq, d]; kv [num_blocks, slots_per_page, 2 (k, v), Hkv, d];
+    blocks, slots [s] int64, where token t sits -> out [q, Hq, d], lse [Hkv, G, q] fp32.
+    (Reference of triton_kernels/prefill_kernels.py: gathers the tokens and writes the scores.)"""
+    q_len, h_q, _ = query.shape
+    s_len, h_kv = blocks.shape[0], kv.shape[3]
+    tokens = kv[blocks, slots].permute(1, 2, 0, 3)[:, None]  # [2, 1, Hkv, s, d]
+    positions = torch.arange(s_len, device=query.device)
+    causal = (positions <= positions[s_len - q_len:, None])[None, None]  # [1, 1, q, s]
+    out, lse = attention_with_lse_reference(query.contiguous()[None], tokens[0], tokens[1],
+                                            causal, scale)
+    return out[0], lse[0].transpose(0, 1).reshape(h_kv, h_q // h_kv, q_len)
+
+
 def merge_attention(
     outs: list[torch.Tensor], lses: list[torch.Tensor]
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -12,7 +12,8 @@ import importlib.util
 import torch
 
 from . import quant_attention as quant_path
-from . import cpu_kernels, critical_channels, heavy_hitters, mixed_attention, reconstruct, select
+from . import (attention, cpu_kernels, critical_channels, heavy_hitters, mixed_attention,
+               reconstruct, select)
 
 _HAS_TRITON = importlib.util.find_spec("triton") is not None
 KERNEL_MODES = ("auto", "triton", "torch")
@@ -52,6 +53,11 @@ def compiles(device: torch.device) -> bool:
 
 def _kernels(name: str):
     return importlib.import_module(f"vllm_shadowkv.triton_kernels.{name}")
+
+
+def uses_triton(t: torch.Tensor) -> bool:
+    """Whether work on ``t`` goes to the Triton kernels in the current mode."""
+    return _use_triton(t)
 
 
 def _compiled_cpu(t: torch.Tensor) -> bool:
@@ -109,3 +115,11 @@ def column_sums(q, k, scale, lse=None):
     impl = (heavy_hitters._chunk_column_sums_cpu if q.device.type == "cpu"
             else heavy_hitters.chunk_column_sums_reference)
     return impl(q, k, scale, lse)
+
+
+def paged_causal_attention(query, kv, blocks, slots, scale):
+    """A request's exact attention over its pages, with each row's LSE. The CPU engine gathers
+    the tokens for vLLM's or torch's flash kernel instead (backend/exact_attention.py)."""
+    if _use_triton(query):
+        return _kernels("prefill_kernels").paged_causal_attention(query, kv, blocks, slots, scale)
+    return attention.paged_causal_attention_reference(query, kv, blocks, slots, scale)

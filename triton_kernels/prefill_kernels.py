@@ -1,0 +1,96 @@
+"""Triton kernel for the engine's exact attention on CUDA: a request's last q positions attend its
+s tokens causally, K/V read in place from the exact pages (no gathered copy, no [q, s] mask),
+fp32 online softmax, and each row's LSE returned (what MiniKV's column sums normalise by).
+
+Reference and signature: vllm_shadowkv.core.attention.paged_causal_attention_reference.
+One program per (query head, block of query rows), flash-attention style: it walks the key
+blocks its rows see, each token's page and slot from ``blocks``/``slots`` (one row of the block
+table resolved per token, as vLLM's paged kernels read their block table).
+On CUDA, 16-bit inputs multiply in their own dtype with fp32 accumulation (P in the inputs'
+dtype, as FlashAttention does); under Triton's CPU interpreter, which mishandles bf16 operands
+of tl.dot, they are widened to fp32 first (TF32 holds 16-bit mantissas whole).
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+_MIN_DOT = 16  # tl.dot needs every dimension >= 16
+
+
+@triton.jit
+def _paged_causal_kernel(
+    q_ptr, kv_ptr, blocks_ptr, slots_ptr, out_ptr, lse_ptr,
+    s_qn, s_qh, s_qd, s_kvb, s_kvs, s_kvp, s_kvh, s_kvd, s_on, s_oh, s_od, s_lh, s_ln,
+    n, seq_len, scale_log2,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, WIDEN: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    hq = tl.program_id(0)
+    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_mask = offs_m < n
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    h = hq // GROUP
+    q = tl.load(q_ptr + offs_m[:, None] * s_qn + hq * s_qh + offs_d[None, :] * s_qd,
+                mask=m_mask[:, None] & d_mask[None, :], other=0.0)
+    if WIDEN:
+        q = q.to(tl.float32)
+    precision: tl.constexpr = "ieee" if IEEE else "tf32"
+    q_pos = seq_len - n + offs_m
+    row_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    last_key = seq_len - n + tl.minimum((tl.program_id(1) + 1) * BLOCK_M, n)  # causal limit
+    for j0 in range(0, last_key, BLOCK_N):
+        offs_n = j0 + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < last_key
+        page = tl.load(blocks_ptr + offs_n, mask=n_mask, other=0).to(tl.int64)
+        slot = tl.load(slots_ptr + offs_n, mask=n_mask, other=0).to(tl.int64)
+        row = page * s_kvb + slot * s_kvs + h * s_kvh
+        tile_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(kv_ptr + row[:, None] + offs_d[None, :] * s_kvd, mask=tile_mask, other=0.0)
+        v = tl.load(kv_ptr + row[:, None] + s_kvp + offs_d[None, :] * s_kvd, mask=tile_mask,
+                    other=0.0)
+        if WIDEN:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        logits = tl.dot(q, tl.trans(k), input_precision=precision) * scale_log2
+        logits = tl.where(offs_n[None, :] <= q_pos[:, None], logits, float("-inf"))
+        new_max = tl.maximum(row_max, tl.max(logits, axis=1))
+        safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
+        alpha = tl.exp2(row_max - safe_max)
+        p = tl.exp2(logits - safe_max[:, None])
+        row_sum = row_sum * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=precision)
+        row_max = new_max
+    out = acc / row_sum[:, None]
+    tl.store(out_ptr + offs_m[:, None] * s_on + hq * s_oh + offs_d[None, :] * s_od,
+             out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
+    lse = (row_max + tl.log2(row_sum)) / 1.4426950408889634  # natural log
+    tl.store(lse_ptr + hq * s_lh + offs_m * s_ln, lse, mask=m_mask)
+
+
+def paged_causal_attention(query: torch.Tensor, kv: torch.Tensor, blocks: torch.Tensor,
+                           slots: torch.Tensor, scale: float
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    q_len, h_q, head_dim = query.shape
+    assert kv.dim() == 5 and kv.shape[2] == 2 and kv.shape[4] == head_dim, kv.shape
+    h_kv, s_len = kv.shape[3], blocks.shape[0]
+    assert h_q % h_kv == 0 and slots.shape == blocks.shape and s_len >= q_len
+    assert query.device == kv.device == blocks.device == slots.device
+    assert query.dtype == kv.dtype
+    out = torch.empty_like(query)
+    lse = torch.empty(h_q, q_len, dtype=torch.float32, device=query.device)
+    if q_len == 0:
+        return out, lse.view(h_kv, h_q // h_kv, 0)
+    block_d = max(_MIN_DOT, triton.next_power_of_2(head_dim))
+    block_m = block_n = 64 if block_d <= 128 else 32
+    _paged_causal_kernel[(h_q, triton.cdiv(q_len, block_m))](
+        query, kv, blocks, slots, out, lse,
+        *query.stride(), kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3), kv.stride(4),
+        *out.stride(), *lse.stride(), q_len, s_len, scale * _LOG2E,
+        GROUP=h_q // h_kv, HEAD_DIM=head_dim, WIDEN=not query.is_cuda,
+        IEEE=query.dtype == torch.float32, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d)
+    return out, lse.view(h_kv, h_q // h_kv, q_len)
