@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import shutil
+import time
 
 import torch
 from torch.fx.experimental import _config as fx_config
@@ -181,11 +182,27 @@ def landmark_scores(q, landmarks, lm_rows, lm_start, lm_count, max_count, scale)
 
 @functools.cache
 def native_bf16_gemm() -> bool:
-    """oneDNN runs bf16 GEMMs (fp32 accumulation) natively on AVX512-BF16 or AMX: 2.8x the fp32
-    rate per core on the AVX512-BF16 EPYC of benchmarks/RESULTS.md. Without them it emulates
-    them, slower than converting to fp32 first."""
+    """Whether the rebuild multiplies bf16 rows and B as they are (oneDNN's bf16 GEMM, fp32
+    accumulation) rather than converting them to fp32 first: whichever this CPU runs faster,
+    timed once per process on the rebuild's shape. The flag alone does not decide it: with
+    AVX512-BF16, the bf16 GEMM ran 2.8x the fp32 rate on an EPYC and 0.54x on a Xeon (both in
+    benchmarks/RESULTS.md); without it oneDNN emulates bf16, slower than fp32."""
     supported = getattr(torch.cpu, "_is_avx512_bf16_supported", None)  # private: may go
-    return bool(supported and supported())
+    if not (supported and supported()):
+        return False
+    rows, b = torch.randn(8, 224, 160).bfloat16(), torch.randn(8, 160, 128).bfloat16()
+
+    def fastest(product) -> float:
+        product()  # oneDNN builds its kernel at the first call
+        times = []
+        for _ in range(5):
+            start = time.perf_counter()
+            product()
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    bf16 = fastest(lambda: torch.matmul(rows, b))
+    return bf16 < fastest(lambda: torch.matmul(rows.float(), b.float()))
 
 
 @_compiled
