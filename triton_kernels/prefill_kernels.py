@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-_LOG2E = 1.4426950408889634
+LOG2E = 1.4426950408889634
 _MIN_DOT = 16  # tl.dot needs every dimension >= 16
 
 
@@ -72,6 +72,12 @@ def _paged_causal_kernel(
     tl.store(lse_ptr + hq * s_lh + offs_m * s_ln, lse, mask=m_mask)
 
 
+def tile_sizes(head_dim: int) -> tuple[int, int]:
+    """(rows and keys per tile, padded head_dim): q, k and the logit tile stay in registers."""
+    block_d = max(_MIN_DOT, triton.next_power_of_2(head_dim))
+    return (64 if block_d <= 128 else 32), block_d
+
+
 def paged_causal_attention(query: torch.Tensor, kv: torch.Tensor, blocks: torch.Tensor,
                            slots: torch.Tensor, scale: float
                            ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -85,12 +91,11 @@ def paged_causal_attention(query: torch.Tensor, kv: torch.Tensor, blocks: torch.
     lse = torch.empty(h_q, q_len, dtype=torch.float32, device=query.device)
     if q_len == 0:
         return out, lse.view(h_kv, h_q // h_kv, 0)
-    block_d = max(_MIN_DOT, triton.next_power_of_2(head_dim))
-    block_m = block_n = 64 if block_d <= 128 else 32
-    _paged_causal_kernel[(h_q, triton.cdiv(q_len, block_m))](
+    block, block_d = tile_sizes(head_dim)
+    _paged_causal_kernel[(h_q, triton.cdiv(q_len, block))](
         query, kv, blocks, slots, out, lse,
         *query.stride(), kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3), kv.stride(4),
-        *out.stride(), *lse.stride(), q_len, s_len, scale * _LOG2E,
+        *out.stride(), *lse.stride(), q_len, s_len, scale * LOG2E,
         GROUP=h_q // h_kv, HEAD_DIM=head_dim, WIDEN=not query.is_cuda,
-        IEEE=query.dtype == torch.float32, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d)
+        IEEE=query.dtype == torch.float32, BLOCK_M=block, BLOCK_N=block, BLOCK_D=block_d)
     return out, lse.view(h_kv, h_q // h_kv, q_len)

@@ -15,8 +15,8 @@ import torch
 KERNEL_MODULES = ("vllm_shadowkv.triton_kernels.select_kernels",
                   "vllm_shadowkv.triton_kernels.rebuild_kernels",
                   "vllm_shadowkv.triton_kernels.channel_kernels",
-                  "vllm_shadowkv.triton_kernels.heavy_hitter_kernels",
-                  "vllm_shadowkv.triton_kernels.prefill_kernels")
+                  "vllm_shadowkv.triton_kernels.prefill_kernels",
+                  "vllm_shadowkv.triton_kernels.heavy_hitter_kernels")
 
 
 def _import_interpreted():
