@@ -86,16 +86,16 @@ def paged_causal_attention(query: torch.Tensor, kv: torch.Tensor, blocks: torch.
     h_kv, s_len = kv.shape[3], blocks.shape[0]
     assert h_q % h_kv == 0 and slots.shape == blocks.shape and s_len >= q_len
     assert query.device == kv.device == blocks.device == slots.device
-    assert query.dtype == kv.dtype
     out = torch.empty_like(query)
+    q = query if query.dtype == kv.dtype else query.to(kv.dtype)  # e.g. a bf16 cache, fp16 model
     lse = torch.empty(h_q, q_len, dtype=torch.float32, device=query.device)
     if q_len == 0:
         return out, lse.view(h_kv, h_q // h_kv, 0)
     block, block_d = tile_sizes(head_dim)
     _paged_causal_kernel[(h_q, triton.cdiv(q_len, block))](
-        query, kv, blocks, slots, out, lse,
-        *query.stride(), kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3), kv.stride(4),
+        q, kv, blocks, slots, out, lse,
+        *q.stride(), kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3), kv.stride(4),
         *out.stride(), *lse.stride(), q_len, s_len, scale * LOG2E,
-        GROUP=h_q // h_kv, HEAD_DIM=head_dim, WIDEN=not query.is_cuda,
-        IEEE=query.dtype == torch.float32, BLOCK_M=block, BLOCK_N=block, BLOCK_D=block_d)
+        GROUP=h_q // h_kv, HEAD_DIM=head_dim, WIDEN=not q.is_cuda,
+        IEEE=q.dtype == torch.float32, BLOCK_M=block, BLOCK_N=block, BLOCK_D=block_d)
     return out, lse.view(h_kv, h_q // h_kv, q_len)

@@ -269,6 +269,20 @@ def test_paged_causal_attention(seq_len, q_len, group, head_dim, dtype, kernel_d
         torch.testing.assert_close(want[1], flash[1], atol=1e-4, rtol=1e-4)
 
 
+def test_paged_causal_attention_takes_a_cache_of_another_dtype(kernel_device):
+    """An fp16 model over a bf16 KV cache (kv_cache_dtype "bfloat16"): the query meets the
+    cache in its dtype, the output keeps the query's."""
+    kv = torch.randn(15, 16, 2, 2, 64, device=kernel_device).bfloat16()
+    where = torch.randperm(240, device=kernel_device)[:203]
+    q = torch.randn(70, 8, 64, device=kernel_device).half()
+    got = prefill_kernels.paged_causal_attention(q, kv, where // 16, where % 16, 0.125)
+    want = attention.paged_causal_attention_reference(q.bfloat16(), kv, where // 16, where % 16,
+                                                      0.125)
+    assert got[0].dtype == torch.float16
+    torch.testing.assert_close(got[0].float(), want[0].float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(got[1], want[1], atol=1e-4, rtol=1e-4)
+
+
 def test_compiles_names_the_paths_that_compile_on_first_use():
     cpu = torch.device("cpu")
     assert ops.compiles(cpu) == cpu_kernels.available()  # "auto": the compiled CPU kernels
