@@ -8,9 +8,10 @@ through vLLM's CPU kernel (what the default backend's prefill runs), in one run:
 * column sums alone, their rows' LSE from a pass of their own (where the caller has none);
 * the explicit fp32 tiles (chunk_column_sums_reference, the reference).
 
-With ``--device cuda`` the exact attention is the engine's CUDA path (torch SDPA) and the column
-sums are the Triton kernels (triton_kernels/heavy_hitter_kernels.py) with their own LSE pass,
-which is what MiniKV's prefill runs there ("minikv" = attention + column sums).
+With ``--device cuda`` the exact attention is the engine's CUDA path, the paged Triton kernel
+(triton_kernels/prefill_kernels.py, which also gives each row's LSE), and the column sums are
+the Triton kernel of triton_kernels/heavy_hitter_kernels.py; "minikv" is again the attention with
+its LSE, then the column sums from it.
 
   python benchmarks/bench_heavy_hitters.py --out benchmarks/heavy_hitters/cpu.json
   python benchmarks/bench_heavy_hitters.py --device cuda --lengths 16384,32768 --reps 3
@@ -26,6 +27,7 @@ import torch
 from tqdm import tqdm
 
 from vllm_shadowkv.backend.exact_attention import causal_attention
+from vllm_shadowkv.core import ops
 from vllm_shadowkv.core.attention import causal_attention_cpu
 from vllm_shadowkv.core.heavy_hitters import accumulate_column_sums, chunk_column_sums_reference
 
@@ -49,16 +51,24 @@ def measure(length: int, chunk: int, reps: int, tiles_too: bool, device: torch.d
                for heads in (H_Q, H_KV, H_KV))
     scale = HEAD_DIM ** -0.5
     sums = {}
+    # On CUDA the engine attends over its pages: here every token is a page of one slot.
+    pages = torch.stack([k, v], dim=1)[:, None]  # [L, 1, 2, h_kv, d]
+    tokens = torch.arange(length, device=device)
+
+    def attention_with_lse(start, end):
+        if device.type == "cpu":
+            return causal_attention_cpu(q[start:end], k[:end], v[:end], scale)
+        return ops.paged_causal_attention(q[start:end], pages, tokens[:end],
+                                          torch.zeros_like(tokens[:end]), scale)
 
     def attend(start, end):
-        causal_attention(q[start:end], k[:end], v[:end], scale)
+        if device.type == "cpu":  # vLLM's kernel: no LSE
+            causal_attention(q[start:end], k[:end], v[:end], scale)
+        else:
+            attention_with_lse(start, end)
 
     def minikv(start, end):
-        lse = None
-        if device.type == "cpu":
-            _, lse = causal_attention_cpu(q[start:end], k[:end], v[:end], scale)
-        else:  # the engine's CUDA attention gives no LSE: the kernels take their own
-            attend(start, end)
+        _, lse = attention_with_lse(start, end)
         sums["total"] = accumulate_column_sums(sums.get("total") if start else None,
                                                q[start:end], k[:end], scale, lse)
 

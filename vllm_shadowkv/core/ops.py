@@ -108,8 +108,8 @@ def quant_logits(q, groups, group_table, group_count, fmt, scale):
 
 
 def column_sums(q, k, scale, lse=None):
-    """One prefill chunk's H2O column sums. On the CPU, outside "triton" mode, torch's flash
-    kernel computes them (``heavy_hitters._chunk_column_sums_cpu``) in every mode."""
+    """One prefill chunk's H2O column sums. CPU tensors outside "triton" mode go through torch's
+    flash kernel (``heavy_hitters._chunk_column_sums_cpu``) in "auto" and "torch" alike."""
     if _use_triton(q):
         return _kernels("heavy_hitter_kernels").chunk_column_sums(q, k, scale, lse)
     impl = (heavy_hitters._chunk_column_sums_cpu if q.device.type == "cpu"
