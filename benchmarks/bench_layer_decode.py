@@ -92,13 +92,14 @@ PROFILE_STEPS = 3
 # Labelled while profiling: (owner, function, what it does in a step), in the order they run.
 STAGES = (
     (exact_attention, "write_exact", "the step's K/V into its generated-token page"),
+    (ShadowKVMethod, "_step_rows", "the step's query rows and generated tokens' pages"),
     (ShadowKVMethod, "_generated", "read the generated tokens' K/V from their pages"),
     (ShadowKVPages, "load_batch", "gather B, landmarks, exact region, slots from pages"),
     (core_decode.DecodeBatch, "_append_generated", "append the step's K/V"),
     (core_ops, "landmark_scores", "score every selectable chunk's landmark"),
     (core_ops, "select_chunks", "top-k chunks per KV head"),
     (core_decode, "assign_slots", "hits keep their slot, misses get the freed ones"),
-    (core_decode.DecodeBatch, "_missed_rows", "missed (head, chunk) ids to the host"),
+    (core_decode.DecodeBatch, "_missed_rows", "the misses to the host (one copy)"),
     (core_ops, "rebuild_keys", "missed keys: A rows x B + RoPE"),
     (core_decode.DecodeBatch, "_fetch_values", "missed values gathered from the store"),
     (core_ops, "scatter_values", "missed values into their slots"),

@@ -66,6 +66,15 @@ def generate_in_fresh_process(request: dict, tmp_path: Path, timeout: float = 60
     return json.loads(out.read_text()) | {"log": proc.stdout + proc.stderr}
 
 
+def assert_one_host_wait_per_layer(calls: list[dict]) -> None:
+    """generate.py's host-wait count: every layer's call in a decode-only step waited for the
+    device at most once (a read of device data, or a HostCopy round trip)."""
+    assert calls, "no decode-only step was counted"
+    assert {c["layer"] for c in calls} == set(range(max(c["layer"] for c in calls) + 1))
+    bad = [c for c in calls if len(c["reads"]) + c["copies"] > 1]
+    assert not bad, bad[:3]
+
+
 def assert_greedy_close(ref: list[dict], test: list[dict], names=("ref", "test"), tol=0.15):
     """vLLM's ``check_logprobs_close``: tokens equal, or at the first difference each side's
     token is in the other's top logprobs and the two are a near-tie on both sides."""

@@ -10,12 +10,47 @@ RESULT:  {"backends": {layer: backend name}, "runner": {"class", "v1", ...},
           "stats": [kv_compression_stats of rank 0 after each batch] (plugin methods only),
           "rank_stats": [[kv_compression_stats of each rank] after each batch] (plugin methods only),
           "spec_decode": {counter: value} at the end (with disable_log_stats False in
-          engine_kwargs; speculative decoding set by the user or by the plugin)}
+          engine_kwargs; speculative decoding set by the user or by the plugin),
+          "host_waits": [{"layer", "reads", "copies"} per decode-only layer call] (with
+          "count_host_waits": true in REQUEST)}
 """
 
 import json
 import sys
 import time
+
+HOST_WAITS = "host_waits.jsonl"  # in the working directory, one line per counted call
+
+
+def count_host_waits() -> None:
+    """Each attention layer's call in a step without prefill rows, counted by
+    tests/host_waits.py (the reads of device data and the HostCopy round trips), one JSON line
+    each in HOST_WAITS. The engine core runs in this process, where the patch is."""
+    import os
+    from pathlib import Path
+
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from host_waits import HostWaits
+
+    from vllm_shadowkv.backend.attention import EngineImpl
+
+    run = EngineImpl._run
+
+    def counted(self, m, ctx, query, key, value, out):
+        rows = [(m.query_start_loc[i + 1] - m.query_start_loc[i], m.seq_lens[i], m.prompt_lens[i])
+                for i, r in enumerate(m.req_ids) if r is not None]
+        if not rows or any(seq - n < prompt for n, seq, prompt in rows):
+            return run(self, m, ctx, query, key, value, out)
+        with HostWaits() as waits:
+            run(self, m, ctx, query, key, value, out)
+        with open(HOST_WAITS, "a") as f:
+            f.write(json.dumps({"layer": ctx.index, "reads": waits.reads,
+                                "copies": waits.copies}) + "\n")
+
+    EngineImpl._run = counted
+
 
 if __name__ == "__main__":  # vLLM spawns its engine core: keep the entry point guarded
     from vllm import LLM, SamplingParams
@@ -23,6 +58,8 @@ if __name__ == "__main__":  # vLLM spawns its engine core: keep the entry point 
     from vllm_shadowkv.introspect import EXTENSION_CLASS
 
     request = json.loads(open(sys.argv[1]).read())
+    if request.get("count_host_waits"):
+        count_host_waits()
     start = time.monotonic()
     llm = LLM(
         model=request["model"],
@@ -41,6 +78,10 @@ if __name__ == "__main__":  # vLLM spawns its engine core: keep the entry point 
               "runner": rank_runners[0], "rank_runners": rank_runners, "batches": []}
     for prompts in request["batches"]:
         outputs = llm.generate(prompts, params, use_tqdm=False)
+        if request.get("count_host_waits"):
+            # In-process, the step that hands the worker the finished requests (the engine
+            # core's busy loop runs it in its own process) runs here.
+            llm.llm_engine.step()
         if request.get("attention_backend"):
             ranks = llm.collective_rpc("kv_compression_stats")
             result.setdefault("stats", []).append(ranks[0])
@@ -61,4 +102,6 @@ if __name__ == "__main__":  # vLLM spawns its engine core: keep the entry point 
         result["spec_decode"] = {
             m.name: m.value for m in llm.get_metrics()
             if m.name.startswith("vllm:spec_decode") and isinstance(m, Counter)}
+    if request.get("count_host_waits"):
+        result["host_waits"] = [json.loads(line) for line in open(HOST_WAITS)]
     open(sys.argv[2], "w").write(json.dumps(result))

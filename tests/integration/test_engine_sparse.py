@@ -5,7 +5,8 @@ import os
 import random
 
 import pytest
-from engine_utils import PROMPTS, assert_greedy_close, generate_in_fresh_process, uses_host_store
+from engine_utils import (PROMPTS, assert_greedy_close, assert_one_host_wait_per_layer,
+                          generate_in_fresh_process, uses_host_store)
 
 from vllm_shadowkv.methods import METHODS
 
@@ -70,7 +71,9 @@ def test_covering_settings_equal_default_and_run_sparse(method, block_size, tiny
 def test_triton_kernel_path_in_the_engine_gives_the_torch_tokens(method, tiny_model, tmp_path):
     """The Triton kernels called from the model runner (setting kernels "triton"; on the CPU
     under TRITON_INTERPRET=1, the only way they run inside an engine here) against the torch
-    path, on a short prompt with a budget below its context."""
+    path, on a short prompt with a budget below its context; along that path (CUDA's) each
+    layer's decode waits for the device at most once (for the store's methods: the misses
+    copied to the host)."""
     batch = [long_prompt(55, 5)]  # ~330 tokens
     settings = METHODS[method].covering_settings(256, 64) | {"min_sparse_len": 256}
     common = {"model": tiny_model, "batches": [batch], "max_tokens": 6, "attention_backend": method}
@@ -79,9 +82,11 @@ def test_triton_kernel_path_in_the_engine_gives_the_torch_tokens(method, tiny_mo
         engine = {"max_model_len": 1024, "enable_prefix_caching": False,
                   "additional_config": {method: settings | {"kernels": kernels}}}
         runs[kernels] = generate_in_fresh_process(
-            {**common, "engine_kwargs": engine}, _dir(tmp_path, kernels), env=env)
+            {**common, "engine_kwargs": engine, "count_host_waits": kernels == "triton"},
+            _dir(tmp_path, kernels), env=env)
     assert_greedy_close(runs["torch"]["batches"][0], runs["triton"]["batches"][0],
                         names=("torch", "triton"))
+    assert_one_host_wait_per_layer(runs["triton"]["host_waits"])
     (stats,) = runs["triton"]["stats"][0]["finished"].values()
     assert stats["mode"] == "sparse" and stats["selected"] > 0
     if method == "shadowkv":  # its hit cache kept some chunks and rebuilt others

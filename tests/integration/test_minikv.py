@@ -5,7 +5,8 @@ called from the model runner against the torch path. The method table's shared e
 (exactness with covering settings, lifecycle, capacity) run MiniKV too."""
 
 import pytest
-from engine_utils import assert_greedy_close, generate_in_fresh_process
+from engine_utils import (assert_greedy_close, assert_one_host_wait_per_layer,
+                          generate_in_fresh_process)
 from test_engine_sparse import long_prompt
 
 pytestmark = pytest.mark.slow
@@ -53,7 +54,8 @@ def test_defaults_compress_and_stay_close_to_dense(tmp_path):
 def test_triton_kernel_over_quantized_pages_gives_the_torch_tokens(tiny_model, tmp_path):
     """The fused dequantize-attend kernel (under TRITON_INTERPRET=1) on the pages of a 2-bit
     compressed request, with a generated-token fold, and the column-sum kernel behind its
-    heavy hitters, against the torch path."""
+    heavy hitters, against the torch path; along that path each layer's decode waits for the
+    device at most once."""
     batch = [long_prompt(55, 5)]  # ~330 tokens
     settings = {"min_sparse_len": 256, "residual": 16}
     runs = {}
@@ -64,8 +66,10 @@ def test_triton_kernel_over_quantized_pages_gives_the_torch_tokens(tiny_model, t
         path.mkdir()
         runs[kernels] = generate_in_fresh_process(
             {"model": tiny_model, "batches": [batch], "max_tokens": 20,
-             "attention_backend": "minikv", "engine_kwargs": engine}, path, env=env)
+             "attention_backend": "minikv", "engine_kwargs": engine,
+             "count_host_waits": kernels == "triton"}, path, env=env)
     assert_greedy_close(runs["torch"]["batches"][0], runs["triton"]["batches"][0],
                         names=("torch", "triton"))
+    assert_one_host_wait_per_layer(runs["triton"]["host_waits"])
     (stats,) = runs["triton"]["stats"][0]["finished"].values()
     assert stats["mode"] == "sparse" and stats["decode_steps"] > 0

@@ -9,24 +9,12 @@ from vllm_shadowkv.backend.worker_state import RequestStats
 from vllm_shadowkv.core.attention import attention_with_lse
 from vllm_shadowkv.core.compress import compress_prompt
 from vllm_shadowkv.core.decode import DecodeBatch, decode_step
-from vllm_shadowkv.core.rope import RopeCache, apply_rope
+from vllm_shadowkv.core.rope import apply_rope
 from vllm_shadowkv.core.store import InMemoryValueStore
-from vllm_shadowkv.methods.base import KVShapes, LayerContext, RequestRows
+from vllm_shadowkv.methods.base import KVShapes, RequestRows
 from vllm_shadowkv.methods.shadowkv import ShadowKVMethod, ShadowKVSettings
 
-SETTINGS = ShadowKVSettings(rank=64, sparse_budget=64, outlier_chunks=4, local_window=16,
-                            min_sparse_len=256)
-
-
-def make_layout(h=2, d=32, block_size=32, settings=SETTINGS, dtype=torch.float32):
-    shapes = KVShapes(h, d, dtype, block_size, num_layers=1, max_model_len=4096)
-    return PageLayout(ShadowKVMethod(settings.resolved(shapes), shapes))
-
-
-def context(cache, layout, rope, store, stats):
-    return LayerContext(index=0, kv_cache=cache, layout=layout, rope=rope, store=store,
-                        store_for=None, scale=layout.shapes.head_size ** -0.5,
-                        stats=lambda _: stats, reference_kv={})
+from pages_util import SETTINGS, context, make_layout, pages_for, rope_for
 
 
 def test_llama8b_shapes_compress_7x_per_token():
@@ -60,20 +48,11 @@ def test_phases_of_a_sparse_request():
     assert slot(100, 100) == divmod(100, layout.exact_per_page)  # exact request
 
 
-def _pages_for(layout, prompt_len, total, generator):
-    n = layout.blocks_needed(prompt_len, total)
-    shapes = layout.shapes
-    cache = torch.zeros(n + 7, 1, layout.block_size, layout.page_bytes // layout.block_size
-                        // shapes.elem_bytes, dtype=shapes.dtype)
-    block_ids = torch.randperm(n + 6, generator=generator)[:n] + 1  # block 0: vLLM's null block
-    return cache, block_ids
-
-
 def test_exact_tokens_round_trip_through_permuted_pages():
     g = torch.Generator().manual_seed(0)
     layout = make_layout()
     p, total = 700, 760
-    cache, block_ids = _pages_for(layout, p, total, g)
+    cache, block_ids = pages_for(layout, p, total, g)
     positions = torch.arange(total)
     k, v = torch.randn(total, 2, 32, generator=g), torch.randn(total, 2, 32, generator=g)
     blocks, slots = layout.exact_token_slots(p, block_ids, positions)
@@ -81,12 +60,6 @@ def test_exact_tokens_round_trip_through_permuted_pages():
     k2, v2 = read_exact(cache, layout, p, block_ids, positions)
     assert torch.equal(k2, k) and torch.equal(v2, v)
     assert len(set(zip(blocks.tolist(), slots.tolist()))) == total  # no two tokens share a slot
-
-
-def _rope(d=32, max_pos=4096):
-    inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
-    freqs = torch.outer(torch.arange(max_pos).float(), inv)
-    return RopeCache(torch.cat([freqs.cos(), freqs.sin()], dim=-1), d, True)
 
 
 @pytest.mark.parametrize("full", [True, False])
@@ -100,9 +73,9 @@ def test_compress_then_sparse_decode_from_pages(full):
         rank=h * d, sparse_budget=1024, outlier_chunks=4, local_window=16, min_sparse_len=256)
     layout = make_layout(settings=settings)
     method = layout.method
-    rope = _rope()
+    rope = rope_for()
     total = p + gen
-    cache, block_ids = _pages_for(layout, p, total, g)
+    cache, block_ids = pages_for(layout, p, total, g)
     positions = torch.arange(total)
     k = apply_rope(torch.randn(total, h, d, generator=g), positions, rope)
     v = torch.randn(total, h, d, generator=g)
@@ -139,7 +112,7 @@ def test_batched_decode_equals_each_request_alone():
     h, hq, d, steps = 2, 8, 32, 4
     prompts = {"a": 600, "b": 1000, "c": 777}
     layout = make_layout()
-    method, rope = layout.method, _rope()
+    method, rope = layout.method, rope_for()
     lengths = {r: p + 2 * steps for r, p in prompts.items()}
     needed = {r: layout.blocks_needed(p, lengths[r]) for r, p in prompts.items()}
     cache = torch.zeros(sum(needed.values()) + 3, 1, layout.block_size,
@@ -243,9 +216,9 @@ def test_paged_sparse_decode_on_cuda_matches_cpu():
     layout = make_layout(h=h, d=d, settings=settings, dtype=torch.bfloat16)
     method = layout.method
     g = torch.Generator().manual_seed(3)
-    cache, block_ids = _pages_for(layout, p, p + gen, g)
+    cache, block_ids = pages_for(layout, p, p + gen, g)
     positions = torch.arange(p + gen)
-    rope = _rope(d)
+    rope = rope_for(d)
     k = apply_rope(torch.randn(p + gen, h, d, generator=g), positions, rope).bfloat16()
     v = torch.randn(p + gen, h, d, generator=g).bfloat16()
     queries = torch.randn(gen, 1, hq, d, generator=g).bfloat16()

@@ -94,6 +94,15 @@ class EngineMetadata:
     # generated-token ring has its later segments written by ``EngineImpl._run``; guess rows
     # are left out.
     write_rows: torch.Tensor | None = None
+    # Which request is in which phase: the same in every layer, worked out in the first
+    # (``EngineImpl._phases``).
+    phases: StepPhases | None = None
+
+
+@dataclass(frozen=True)
+class StepPhases:
+    exact: list[tuple[RequestRows, bool]]  # rows attended exactly, and whether compressed
+    decode_rounds: list[list[RequestRows]]  # the compressed decodes, one method call each
 
 
 class EngineMetadataBuilder(AttentionMetadataBuilder[EngineMetadata]):
@@ -234,7 +243,7 @@ class EngineImpl(AttentionImpl[EngineMetadata]):
         n, h, hkv, d = m.num_actual_tokens, self.num_heads, self.num_kv_heads, self.head_size
         query, out = query[:n].view(n, h, d), output[:n].view(n, h, d)
         key, value = key[:n].view(n, hkv, d), value[:n].view(n, hkv, d)
-        ctx = self._context(layer, kv_cache, layout)
+        ctx = self._context(layer, kv_cache, layout, m)
         with kernel_mode(layout.method.settings.kernels):
             self._run(m, ctx, query, key, value, out)
         return output
@@ -244,6 +253,35 @@ class EngineImpl(AttentionImpl[EngineMetadata]):
         (one per ring segment when a recomputed request overfills a method's ring)."""
         layout, kv_cache = ctx.layout, ctx.kv_cache
         method = layout.method
+        if m.phases is None:
+            m.phases = self._phases(m, layout)
+        for req, sparse in m.phases.exact:
+            start, end = req.start, req.end
+            out[start:end], lse = exact_attention(
+                kv_cache, layout, req.prompt_len, req.block_ids, req.seq_len, query[start:end],
+                self.scale, with_lse=sparse and method.needs_prefill_lse)
+            if not sparse:
+                continue
+            method.prefill_chunk(ctx, req, query[start:end], key[start:end], value[start:end],
+                                 lse)
+            if req.seq_len >= req.prompt_len:  # this step completed the prompt
+                self._finalize(ctx, req)
+        for segment, reqs in enumerate(m.phases.decode_rounds):
+            if segment:  # later segments of a long step: their K/V go to the ring now
+                rows = torch.cat([torch.arange(r.start, r.end - r.guess, device=key.device)
+                                  for r in reqs])
+                slots = [layout.exact_token_slots(r.prompt_len, r.block_ids, torch.arange(
+                    r.seq_len - (r.end - r.start), r.committed_len, device=key.device))
+                         for r in reqs]
+                write_exact(kv_cache, layout, torch.cat([b for b, _ in slots]),
+                            torch.cat([s for _, s in slots]), key[rows], value[rows])
+            method.decode(ctx, reqs, query, key, value, out)
+
+    def _phases(self, m: EngineMetadata, layout: PageLayout) -> StepPhases:
+        """The step's requests by phase: exact rows (short requests, prefill chunks) and the
+        compressed decodes (a recomputed request's chunk past its prompt end decodes
+        compressed, like when it was generated)."""
+        exact: list[tuple[RequestRows, bool]] = []
         decoding: list[RequestRows] = []
         for i, req_id in enumerate(m.req_ids):
             start, end = m.query_start_loc[i], m.query_start_loc[i + 1]
@@ -259,31 +297,11 @@ class EngineImpl(AttentionImpl[EngineMetadata]):
                 decoding.append(req)
                 continue
             if sparse and req.seq_len > req.prompt_len:
-                # A recomputed request's chunk past its prompt end: the generated tokens in it
-                # decode compressed, like when they were generated.
                 split = start + req.prompt_len - first
                 decoding.append(replace(req, start=split))
                 req = replace(req, end=split, seq_len=req.prompt_len, guess=0)
-                start, end = req.start, req.end
-            out[start:end], lse = exact_attention(
-                kv_cache, layout, req.prompt_len, req.block_ids, req.seq_len, query[start:end],
-                self.scale, with_lse=sparse and method.needs_prefill_lse)
-            if not sparse:
-                continue
-            method.prefill_chunk(ctx, req, query[start:end], key[start:end], value[start:end],
-                                 lse)
-            if req.seq_len >= req.prompt_len:  # this step completed the prompt
-                self._finalize(ctx, req)
-        for segment, reqs in enumerate(self._ring_rounds(layout, decoding)):
-            if segment:  # later segments of a long step: their K/V go to the ring now
-                rows = torch.cat([torch.arange(r.start, r.end - r.guess, device=key.device)
-                                  for r in reqs])
-                slots = [layout.exact_token_slots(r.prompt_len, r.block_ids, torch.arange(
-                    r.seq_len - (r.end - r.start), r.committed_len, device=key.device))
-                         for r in reqs]
-                write_exact(kv_cache, layout, torch.cat([b for b, _ in slots]),
-                            torch.cat([s for _, s in slots]), key[rows], value[rows])
-            method.decode(ctx, reqs, query, key, value, out)
+            exact.append((req, sparse))
+        return StepPhases(exact, self._ring_rounds(layout, decoding))
 
     @staticmethod
     def _ring_rounds(layout: PageLayout, decoding: list[RequestRows]) -> list[list[RequestRows]]:
@@ -312,14 +330,15 @@ class EngineImpl(AttentionImpl[EngineMetadata]):
         if ctx.layout.method.settings.measure_fidelity:
             ctx.reference_kv[(req.req_id, ctx.index)] = (keys.cpu(), values.cpu())
 
-    def _context(self, layer, kv_cache, layout: PageLayout) -> LayerContext:
+    def _context(self, layer, kv_cache, layout: PageLayout, step: EngineMetadata
+                 ) -> LayerContext:
         index = self._index_of(layer)
         STATE.methods.add(layout.method)
         return LayerContext(
             index=index, kv_cache=kv_cache, layout=layout,
             rope=self._rope_of(layer), store=STATE.store(layout.method, index),
             store_for=lambda shape: STATE.store_for(shape, layout.shapes.dtype), scale=self.scale,
-            stats=STATE.requests.__getitem__, reference_kv=STATE.reference_kv)
+            stats=STATE.requests.__getitem__, reference_kv=STATE.reference_kv, step=step)
 
     def _index_of(self, layer) -> int:
         if self._layer_index is None:

@@ -18,7 +18,7 @@ efficient path primes them with exact prefill keys).
 
 import math
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -70,6 +70,11 @@ class DecodeBatch:
     gen_k: torch.Tensor  # [B, h_kv, capacity, d]
     gen_v: torch.Tensor
     gen_len: torch.Tensor  # [B] int64
+    gen_width: int = 0  # max of gen_len, kept on the host (reading it back would sync)
+    # The last step's refill, on the host: missed chunks per request, and the flat slot ids
+    # (over [B, h_kv, k]) they filled, the only slots whose pages need writing.
+    step_misses: list[int] = field(default_factory=list)
+    step_filled: torch.Tensor | None = None
 
     @classmethod
     def build(cls, prompts: Sequence[CompressedPrompt], store_keys: Sequence[Hashable],
@@ -108,7 +113,7 @@ class DecodeBatch:
 
     def _append_generated(self, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
         s_q = k_new.shape[1]
-        needed = int(self.gen_len.max()) + s_q
+        needed = self.gen_width + s_q
         if needed > self.gen_k.shape[2]:
             grow = max(needed, 2 * self.gen_k.shape[2]) - self.gen_k.shape[2]
             self.gen_k = torch.nn.functional.pad(self.gen_k, (0, 0, 0, grow))
@@ -117,15 +122,20 @@ class DecodeBatch:
         cols = self.gen_len.unsqueeze(1) + torch.arange(s_q, device=k_new.device)
         self.gen_k[rows, :, cols] = k_new.to(self.gen_k.dtype)
         self.gen_v[rows, :, cols] = v_new.to(self.gen_v.dtype)
+        self.gen_len = self.gen_len + s_q  # (not in place: the engine shares it between layers)
+        self.gen_width += s_q
 
-    def _missed_rows(self, miss_slots, miss_count) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    def _missed_rows(self, miss_slots, miss_count) -> tuple[torch.Tensor, torch.Tensor]:
         """(KV head, chunk id) of every missed slot on the host, (b, h, miss) in row-major
-        order, and the count per request."""
-        width = torch.arange(miss_slots.shape[-1], device=miss_slots.device)
-        valid = width < miss_count.unsqueeze(-1)
-        bi, hi, mi = valid.nonzero(as_tuple=True)
-        chunks = self.slot_chunks[bi, hi, miss_slots[bi, hi, mi].long()]
-        return hi.cpu(), chunks.cpu(), miss_count.sum(dim=-1).tolist()
+        order. The step's one device-to-host copy (the layer's one host sync on CUDA); also
+        sets ``step_misses`` and ``step_filled``."""
+        _, h_kv, k = miss_slots.shape
+        chunks = self.slot_chunks.gather(-1, miss_slots.long().clamp_min(0))
+        count, slots, chunks = transfer.HostCopy([miss_count, miss_slots, chunks]).wait()
+        bi, hi, mi = (torch.arange(k) < count.unsqueeze(-1)).nonzero(as_tuple=True)
+        self.step_misses = count.sum(dim=-1).tolist()
+        self.step_filled = (bi * h_kv + hi) * k + slots[bi, hi, mi].long()
+        return hi, chunks[bi, hi, mi]
 
     def _fetch_values(self, heads, chunks, per_request, store: ValueStore) -> torch.Tensor:
         """The missed value rows of every request gathered on the host at once and copied to
@@ -146,15 +156,15 @@ class DecodeBatch:
         selected = ops.select_chunks(scores, self.landmark_chunks, self.lm_start, self.lm_count,
                                      self.params.select_chunks)
         self.slot_chunks, miss_slots, miss_count = assign_slots(self.slot_chunks, selected)
-        if int(miss_count.sum()) == 0:
-            return
         # The host needs the missed rows before the rebuild is queued: reading them after would
         # wait for the rebuild. Then, on CUDA, the rebuild runs while the host gathers the
         # values and the copy stream moves them.
-        heads, chunks, per_request = self._missed_rows(miss_slots, miss_count)
+        heads, chunks = self._missed_rows(miss_slots, miss_count)
+        if heads.numel() == 0:
+            return
         ops.rebuild_keys(self.a, self.a_rows, self.a_positions, self.a_start, self.b,
                          self.slot_chunks, miss_slots, miss_count, self.rope, self.slot_k)
-        staging = self._fetch_values(heads, chunks, per_request, store)
+        staging = self._fetch_values(heads, chunks, self.step_misses, store)
         flat = miss_count.flatten()
         staging_start = (flat.cumsum(0) - flat).view_as(miss_count).to(torch.int32)
         ops.scatter_values(staging, staging_start, miss_slots, miss_count, self.slot_v)
@@ -176,7 +186,7 @@ def decode_step(
     s_q, c = q.shape[1], batch.params.chunk_size
     gen_before = batch.gen_len.clone()
     batch._append_generated(k_new, v_new)
-    batch.gen_len += s_q
+    batch.step_misses, batch.step_filled = [0] * q.shape[0], None
     if batch.max_landmarks > 0:
         batch._refresh_slots(q, store)
 
@@ -184,7 +194,7 @@ def decode_step(
     exact_mask = (torch.arange(batch.exact_k.shape[2], device=device)
                   < batch.exact_len.view(-1, 1)).view(-1, 1, 1, batch.exact_k.shape[2])
     slot_mask = (batch.slot_chunks >= 0).repeat_interleave(c, dim=-1).unsqueeze(2)
-    gen_width = int(batch.gen_len.max())
+    gen_width = batch.gen_width
     visible = gen_before.view(-1, 1) + torch.arange(1, s_q + 1, device=device)  # [B, s_q]
     gen_mask = (torch.arange(gen_width, device=device) < visible.unsqueeze(-1)).unsqueeze(1)
     parts = [

@@ -25,6 +25,8 @@ def to_device_async(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     waits for it, so work queued on the current stream before this call overlaps the copy."""
     if device.type != "cuda":
         return host.to(device)
+    if not host.is_pinned():  # (from pageable memory the copy would make the host wait)
+        host = host.pin_memory()
     compute = torch.cuda.current_stream(device)
     stream = _copy_streams.get(device)
     if stream is None:

@@ -137,6 +137,9 @@ class LayerContext:
     scale: float
     stats: Any  # callable: request id -> backend.worker_state.RequestStats
     reference_kv: dict  # measure_fidelity: (request id, layer) -> exact prompt (keys, values)
+    # The step's metadata (the same object for every layer of one step), for index tensors a
+    # method builds once per step; None outside the engine (nothing is then reused).
+    step: Any = None
 
 
 @dataclass

@@ -3,9 +3,12 @@ and outliers in the pages, values in the host store, top-k chunks rebuilt at eac
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from vllm_shadowkv.backend.exact_attention import causal_attention, exact_view
+from vllm_shadowkv.core import transfer
 from vllm_shadowkv.core.compress import compress_prompt
 from vllm_shadowkv.core.decode import decode_step
 from vllm_shadowkv.core.fidelity import attended_chunks, chunk_attention_mass, measure_fidelity
@@ -13,6 +16,20 @@ from vllm_shadowkv.methods.base import KVMethod, KVShapes, LayerContext, Request
 from vllm_shadowkv.methods.shadowkv.pages import BatchPlan, RequestPlan, ShadowKVPages
 from vllm_shadowkv.methods.shadowkv.settings import ShadowKVSettings
 from vllm_shadowkv.store import paged_bytes
+
+
+@dataclass(frozen=True)
+class StepRows:
+    """Where one step's decoding requests are, built once per step (``_step_rows``)."""
+
+    step: object  # the engine's metadata of the step
+    key: tuple  # (request id, rows, seq_len) of each request
+    counts: list[int]  # generated tokens before the step, per request
+    gen_width: int
+    rows: torch.Tensor  # [B * s_q] the requests' query rows, request-major
+    gen_len: torch.Tensor  # [B] counts
+    blocks: torch.Tensor  # [B, G] page of each generated token (padded)
+    within: torch.Tensor  # [B, G] its slot in the page
 
 
 class ShadowKVMethod(KVMethod):
@@ -29,6 +46,7 @@ class ShadowKVMethod(KVMethod):
         self.params = settings.params
         self._plans: dict[str, RequestPlan] = {}
         self._batch_plans: dict[tuple[str, ...], BatchPlan] = {}
+        self._step: StepRows | None = None
 
     @classmethod
     def covering_settings(cls, key_width: int, context_len: int) -> dict:
@@ -81,31 +99,30 @@ class ShadowKVMethod(KVMethod):
         """One sparse step of one layer for every request of ``reqs`` (``s_q`` rows each)."""
         n = len(reqs)
         plan = self._batch_plan(layer, reqs)
-        rows = torch.tensor([i for r in reqs for i in range(r.start, r.end)],
-                            device=query.device)
-        gen_k, gen_v, gen_len = self._generated(layer, reqs, s_q)
+        step = self._step_rows(layer, reqs, s_q)
+        gen_k, gen_v = self._generated(layer, step, s_q)
         batch, outliers = self.pages.load_batch(layer.kv_cache, plan, layer.rope, gen_k, gen_v,
-                                                gen_len)
+                                                step.gen_len, step.gen_width)
         batch.store_keys = [(r.req_id, layer.index) for r in reqs]
-        before = batch.slot_chunks
-        q, k, v = (t[rows].unflatten(0, (n, s_q)) for t in (query, key, value))
+        q, k, v = (t[step.rows].unflatten(0, (n, s_q)) for t in (query, key, value))
         result, _ = decode_step(batch, q, k, v, layer.store, layer.scale)
-        out[rows] = result.flatten(0, 1)
-        self.pages.store_slots(layer.kv_cache, plan, batch, before)
+        out[step.rows] = result.flatten(0, 1)
+        self.pages.store_slots(layer.kv_cache, plan, batch)
 
-        resident = batch.slot_chunks >= 0
-        selected = resident.sum(dim=(1, 2)).tolist()
-        hits = (resident & (batch.slot_chunks == before)).sum(dim=(1, 2)).tolist()
+        # Counted on the host: each KV head selects min(k, landmarks) chunks; the misses came
+        # back with the step's one copy to the host.
+        heads, k_sel = self.shapes.num_kv_heads, self.params.select_chunks
         row_bytes = self.settings.chunk_size * self.shapes.head_size * self.shapes.elem_bytes
         for i, req in enumerate(reqs):
             stats = layer.stats(req.req_id)
+            selected = heads * min(k_sel, self._plans[req.req_id].num_landmarks)
             stats.decode_steps += 1
-            stats.selected += selected[i]
-            stats.hits += hits[i]
-            stats.bytes_fetched += (selected[i] - hits[i]) * row_bytes
+            stats.selected += selected
+            stats.hits += selected - batch.step_misses[i]
+            stats.bytes_fetched += batch.step_misses[i] * row_bytes
             reference = layer.reference_kv.get((req.req_id, layer.index))
             if reference is not None:
-                gen = slice(0, int(batch.gen_len[i]))  # the step's tokens included
+                gen = slice(0, step.counts[i] + s_q)  # the step's tokens included
                 self._record_fidelity(layer, req, reference, outliers[i],
                                       batch.slot_chunks[i], batch.gen_k[i, :, gen],
                                       batch.gen_v[i, :, gen], q[i], result[i], stats)
@@ -129,9 +146,15 @@ class ShadowKVMethod(KVMethod):
                 ids, [self._plan(layer, r) for r in reqs])
         return plan
 
-    def _generated(self, layer: LayerContext, reqs: list[RequestRows], s_q: int):
-        """The exact K/V of each request's generated tokens before this step, [B, h, G + s_q, d]
-        (room for the step's own), and their counts [B]."""
+    def _step_rows(self, layer: LayerContext, reqs: list[RequestRows], s_q: int) -> StepRows:
+        """The batch's query rows and generated tokens' pages: the same for every layer of a
+        step, so built once per step (no per-request Python, no host-to-device copy in the
+        other layers)."""
+        key = tuple((r.req_id, r.start, r.end, r.seq_len) for r in reqs)
+        cached = self._step
+        if cached is not None and layer.step is not None and cached.step is layer.step \
+                and cached.key == key:
+            return cached
         layout, device = layer.layout, layer.kv_cache.device
         per_page = layout.exact_per_page
         counts = [r.seq_len - s_q - r.prompt_len for r in reqs]
@@ -141,10 +164,21 @@ class ShadowKVMethod(KVMethod):
             pages.append(r.block_ids[first: first + max(1, -(-n // per_page))])
         table = torch.nn.utils.rnn.pad_sequence(pages, batch_first=True).long()
         rel = torch.arange(max(counts), device=device).expand(len(reqs), -1)
-        blocks = table.gather(1, (rel // per_page).clamp(max=table.shape[1] - 1))
-        kv = exact_view(layer.kv_cache, layout)[blocks, rel % per_page]  # [B, G, 2, h, d]
+        rows = torch.tensor([i for r in reqs for i in range(r.start, r.end)], dtype=torch.long)
+        self._step = StepRows(
+            step=layer.step, key=key, counts=counts, gen_width=max(counts),
+            rows=transfer.to_device_async(rows, device),
+            gen_len=transfer.to_device_async(torch.tensor(counts), device),
+            blocks=table.gather(1, (rel // per_page).clamp(max=table.shape[1] - 1)),
+            within=rel % per_page)
+        return self._step
+
+    def _generated(self, layer: LayerContext, step: StepRows, s_q: int):
+        """The exact K/V of each request's generated tokens before this step, [B, h, G + s_q, d]
+        (room for the step's own)."""
+        kv = exact_view(layer.kv_cache, layer.layout)[step.blocks, step.within]  # [B, G, 2, h, d]
         gen = torch.nn.functional.pad(kv.permute(2, 0, 3, 1, 4), (0, 0, 0, s_q))
-        return gen[0], gen[1], torch.tensor(counts, device=device)
+        return gen[0], gen[1]
 
     def _record_fidelity(self, layer: LayerContext, req: RequestRows, reference, outliers,
                          slot_chunks, gen_k, gen_v, query, out, stats, top: int = 8) -> None:

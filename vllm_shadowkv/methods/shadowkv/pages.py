@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from vllm_shadowkv.core import transfer
 from vllm_shadowkv.core.compress import CompressedPrompt
 from vllm_shadowkv.core.decode import DecodeBatch
 from vllm_shadowkv.methods.base import KVShapes
@@ -230,11 +231,12 @@ class ShadowKVPages:
         def padded_exact(name: str) -> torch.Tensor:
             """[h, E] per request, padded with its first row (masked by exact_len)."""
             per = [getattr(p, name).view(h, -1) for p in plans]
-            return torch.stack([torch.nn.functional.pad(t, (0, e_max - t.shape[1]),
-                                                        value=int(t[0, 0])) for t in per])
+            return torch.stack([torch.cat([t, t[:1, :1].expand(h, e_max - t.shape[1])], dim=1)
+                                for t in per])
 
         lm_request = torch.repeat_interleave(torch.arange(len(plans), device=device),
-                                             torch.tensor(lm_counts, device=device))
+                                             torch.tensor(lm_counts, device=device),
+                                             output_size=sum(lm_counts))
         lm_start = _starts(lm_counts, device)
         return BatchPlan(
             req_ids=req_ids,
@@ -279,10 +281,11 @@ class ShadowKVPages:
 
     def load_batch(self, kv_cache: torch.Tensor, plan: BatchPlan, rope,
                    gen_k: torch.Tensor, gen_v: torch.Tensor, gen_len: torch.Tensor,
-                   ) -> tuple[DecodeBatch, torch.Tensor]:
+                   gen_width: int) -> tuple[DecodeBatch, torch.Tensor]:
         """The batch's state read from its pages, as the core's ``DecodeBatch`` (copies of the
         rows; the slots are written back by ``store_slots``), and its outlier ids [B, h, o].
-        gen_k/gen_v ``[B, h, capacity, d]``: each request's generated tokens so far."""
+        gen_k/gen_v ``[B, h, capacity, d]``: each request's generated tokens so far, ``gen_len``
+        their counts and ``gen_width`` the largest (a host int)."""
         params, h, d = self.settings.params, self.shapes.num_kv_heads, self.shapes.head_size
         batch, c, k = len(plan.req_ids), params.chunk_size, params.select_chunks
         ids = self.ids(kv_cache)
@@ -301,18 +304,18 @@ class ShadowKVPages:
             slot_chunks=ids[plan.slot_chunks].view(batch, h, k),
             slot_k=self.read_rows(kv_cache, plan.slot_k).view(batch, h, k * c, d),
             slot_v=self.read_rows(kv_cache, plan.slot_v).view(batch, h, k * c, d),
-            gen_k=gen_k, gen_v=gen_v, gen_len=gen_len,
+            gen_k=gen_k, gen_v=gen_v, gen_len=gen_len, gen_width=gen_width,
         ), outliers
 
-    def store_slots(self, kv_cache: torch.Tensor, plan: BatchPlan, batch: DecodeBatch,
-                    before: torch.Tensor) -> None:
+    def store_slots(self, kv_cache: torch.Tensor, plan: BatchPlan, batch: DecodeBatch) -> None:
         """Persist the selection slots after a step: all slot ids, and the K/V rows of the slots
-        whose chunk changed (the misses just filled)."""
+        the step filled (``batch.step_filled``: the misses, flat ids over ``[B, h, k]``)."""
         n, h, k = batch.slot_chunks.shape
         c, d = self.settings.chunk_size, self.shapes.head_size
         self.ids(kv_cache)[plan.slot_chunks] = batch.slot_chunks.view(n, -1)
-        filled = ((batch.slot_chunks != before) & (batch.slot_chunks >= 0)).flatten()
-        slots = filled.nonzero().flatten()  # (a boolean mask index per field cost 2x)
+        if batch.step_filled is None or batch.step_filled.numel() == 0:
+            return
+        slots = transfer.to_device_async(batch.step_filled, kv_cache.device)
         for offsets, data in ((plan.slot_k, batch.slot_k), (plan.slot_v, batch.slot_v)):
             self.write_rows(kv_cache, offsets.view(n * h * k, c).index_select(0, slots).flatten(),
                             data.view(n * h * k, c * d).index_select(0, slots).view(-1, d))
