@@ -148,8 +148,8 @@ class ShadowKVMethod(KVMethod):
 
     def _step_rows(self, layer: LayerContext, reqs: list[RequestRows], s_q: int) -> StepRows:
         """The batch's query rows and generated tokens' pages: the same for every layer of a
-        step, so built once per step (no per-request Python, no host-to-device copy in the
-        other layers)."""
+        step, so built in its first layer; the others only compare the step's key (no index
+        built, no host-to-device copy)."""
         key = tuple((r.req_id, r.start, r.end, r.seq_len) for r in reqs)
         cached = self._step
         if cached is not None and layer.step is not None and cached.step is layer.step \
