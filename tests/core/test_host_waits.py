@@ -92,7 +92,7 @@ def test_engine_decode_reads_the_device_once_per_layer_and_step(device):
               .to(device), torch.randn(n, h, d, generator=g).bfloat16().to(device))
           for r, n in lengths.items()}
     rope = rope.to(device)
-    layers = [dataclasses.replace(context(cache.clone(), layout, rope, _store(device),
+    layers = [dataclasses.replace(context(cache.clone(), layout, rope, _store(device, layout),
                                           RequestStats()), index=i) for i in range(2)]
     for r, p in prompts.items():
         for ctx in layers:
@@ -126,9 +126,10 @@ def test_engine_decode_reads_the_device_once_per_layer_and_step(device):
             assert waits.reads == [] and waits.copies == len(layers), (step, waits.reads)
 
 
-def _store(device: str):
+def _store(device: str, layout):
     if device == "cpu":
         return InMemoryValueStore()
     from vllm_shadowkv.store import CpuValueStore
 
-    return CpuValueStore(1 << 24, torch.bfloat16, (8, 32), pin_memory=True)
+    row = (layout.method.settings.chunk_size, layout.shapes.head_size)
+    return CpuValueStore(1 << 24, layout.shapes.dtype, row, pin_memory=True)

@@ -25,7 +25,6 @@ class StepRows:
     step: object  # the engine's metadata of the step
     key: tuple  # (request id, rows, seq_len) of each request
     counts: list[int]  # generated tokens before the step, per request
-    gen_width: int
     rows: torch.Tensor  # [B * s_q] the requests' query rows, request-major
     gen_len: torch.Tensor  # [B] counts
     blocks: torch.Tensor  # [B, G] page of each generated token (padded)
@@ -102,7 +101,7 @@ class ShadowKVMethod(KVMethod):
         step = self._step_rows(layer, reqs, s_q)
         gen_k, gen_v = self._generated(layer, step, s_q)
         batch, outliers = self.pages.load_batch(layer.kv_cache, plan, layer.rope, gen_k, gen_v,
-                                                step.gen_len, step.gen_width)
+                                                step.gen_len, max(step.counts))
         batch.store_keys = [(r.req_id, layer.index) for r in reqs]
         q, k, v = (t[step.rows].unflatten(0, (n, s_q)) for t in (query, key, value))
         result, _ = decode_step(batch, q, k, v, layer.store, layer.scale)
@@ -166,7 +165,7 @@ class ShadowKVMethod(KVMethod):
         rel = torch.arange(max(counts), device=device).expand(len(reqs), -1)
         rows = torch.tensor([i for r in reqs for i in range(r.start, r.end)], dtype=torch.long)
         self._step = StepRows(
-            step=layer.step, key=key, counts=counts, gen_width=max(counts),
+            step=layer.step, key=key, counts=counts,
             rows=transfer.to_device_async(rows, device),
             gen_len=transfer.to_device_async(torch.tensor(counts), device),
             blocks=table.gather(1, (rel // per_page).clamp(max=table.shape[1] - 1)),
