@@ -1,24 +1,61 @@
 """TailorKV's critical-channel token selection: the torch reference against a brute-force loop and
-exact logits, the Triton kernel (interpreted on the CPU, see conftest.py) and the compiled CPU
-kernel against the reference, GQA groups 1/4/8, signed scores, the sink/recent/generated
-exclusions, ties."""
+exact logits, the compiled CPU kernel (rows gathered) and the Triton kernel (rows read in place
+in a host store's pages, interpreted on the CPU, see conftest.py) against the reference, GQA
+groups 1/4/8, signed scores, the sink/recent/generated exclusions, ties."""
 
 import pytest
 import torch
 
 from vllm_shadowkv.core import cpu_kernels, ops
 from vllm_shadowkv.core import critical_channels as cc
+from vllm_shadowkv.store import CpuValueStore
 from vllm_shadowkv.triton_kernels import channel_kernels
 
 PROMPTS = [300, 0, 37, 129, 1000]  # irregular; empty; shorter than sink + recent
 GRID = [(g, d, dt) for g in (1, 4, 8) for d in (64, 128) for dt in (torch.float32, torch.bfloat16)]
-KERNELS = {"triton": channel_kernels, "cpu": cpu_kernels}
+
+
+def _paged(module, chunk=16, page_rows=4, one_extent=False):
+    """A function shaped like `channel_scores` that puts the keys into a host store as TailorKV
+    keeps them (channel-major rows of ``chunk`` tokens; small pages, so the keys span several
+    pages and, unless ``one_extent``, several extents), then scores them in place with
+    ``module.channel_scores_paged``."""
+    def scores(q, keys_cm, channels, key_start, prompt_len, sink, recent, max_len):
+        h_kv, head_dim, _ = keys_cm.shape
+        prompts = prompt_len.tolist()
+        store = CpuValueStore(1 << 26, keys_cm.dtype, (chunk,), page_rows=page_rows,
+                              pin_memory=q.is_cuda)
+        if one_extent:  # grow the pool once to hold every prompt, so that all lie in its first
+            total = sum(-(-h_kv * head_dim * -(-n // chunk) // page_rows) * page_rows
+                        for n in prompts)
+            store.put("all", torch.zeros(1, total, chunk, dtype=keys_cm.dtype))
+            store.free("all")
+        offsets, starts = [], [0]
+        for b, (start, n) in enumerate(zip(key_start.tolist(), prompts)):
+            chunks = -(-n // chunk)
+            rows = torch.nn.functional.pad(keys_cm[:, :, start:start + n].cpu(),
+                                           (0, chunks * chunk - n))
+            store.put(b, rows.reshape(h_kv, head_dim * chunks, chunk))
+            offsets.append(store.page_offsets(b))
+            starts.append(starts[-1] + len(offsets[-1]))
+        scores.extents = len(store._extents)
+        assert scores.extents == 1 or not one_extent
+        return module.channel_scores_paged(
+            q, store.pool, torch.cat(offsets).to(q.device),
+            torch.tensor(starts[:-1], dtype=torch.int32, device=q.device), channels, prompt_len,
+            sink, recent, max_len, chunk, page_rows)
+    return scores
 
 
 def _kernel(impl, device):
-    if impl == "cpu" and (device.type != "cpu" or not cpu_kernels.available()):
-        pytest.skip("compiled CPU kernels: CPU tensors and a C++ compiler")
-    return KERNELS[impl].channel_scores
+    if impl == "cpu":
+        if device.type != "cpu" or not cpu_kernels.available():
+            pytest.skip("compiled CPU kernels: CPU tensors and a C++ compiler")
+        return cpu_kernels.channel_scores
+    return _paged(channel_kernels)
+
+
+KERNELS = ("triton", "cpu")
 
 
 def _as_i32(xs, device):
@@ -164,7 +201,19 @@ def test_key_channel_absmax():
         assert torch.equal(got[b], want)
 
 
-@pytest.mark.parametrize("impl", list(KERNELS))
+@pytest.mark.parametrize("chunk, page_rows", [(16, 4), (128, 256)])
+@pytest.mark.parametrize("group", [1, 4])
+def test_paged_reference_equals_the_gathered_one(group, chunk, page_rows):
+    h_kv, head_dim, sink, recent = 2, 32, 5, 9
+    keys_cm, key_start = _channel_major_pool(PROMPTS, h_kv, head_dim, torch.bfloat16, "cpu")
+    q = torch.randn(len(PROMPTS), h_kv * group, head_dim).to(torch.bfloat16)
+    args = (q, keys_cm, key_start, _as_i32(PROMPTS, "cpu"), sink, recent, 7, 33)
+    got_scores, got_ids = _select(_paged(cc, chunk, page_rows, one_extent=True), *args)
+    want_scores, want_ids = _select(cc.channel_scores, *args)
+    assert torch.equal(got_scores, want_scores) and torch.equal(got_ids, want_ids)
+
+
+@pytest.mark.parametrize("impl", KERNELS)
 @pytest.mark.parametrize("group,head_dim,dtype", GRID)
 def test_kernel_matches_reference(group, head_dim, dtype, impl, kernel_device):
     h_kv, sink, recent, num_channels, k = 2, 8, 120, 12, 96
@@ -173,14 +222,16 @@ def test_kernel_matches_reference(group, head_dim, dtype, impl, kernel_device):
     q = torch.randn(len(PROMPTS), h_kv * group, head_dim, device=kernel_device).to(dtype)
     q_channel = torch.randn_like(q)
     args = (q, keys_cm, key_start, prompt_len, sink, recent, num_channels, k)
-    got_scores, got_ids = _select(_kernel(impl, kernel_device), *args, q_channel=q_channel)
+    kernel = _kernel(impl, kernel_device)
+    got_scores, got_ids = _select(kernel, *args, q_channel=q_channel)
     want_scores, want_ids = _select(cc.channel_scores, *args, q_channel=q_channel)
+    assert getattr(kernel, "extents", 2) > 1  # the paged kernel reads pages of several extents
     torch.testing.assert_close(got_scores, want_scores, atol=1e-5, rtol=1e-5)
     _check_selection(got_ids, want_scores, prompt_len, sink, recent, k)
     assert torch.equal(got_ids >= 0, want_ids >= 0)
 
 
-@pytest.mark.parametrize("impl", list(KERNELS))
+@pytest.mark.parametrize("impl", KERNELS)
 @pytest.mark.parametrize("group", [1, 4, 8])
 def test_kernel_with_ties(group, impl, kernel_device):
     """Few distinct key values: many equal scores; the selected scores must match as a set."""
@@ -200,16 +251,23 @@ def test_kernel_with_ties(group, impl, kernel_device):
 
 def test_dispatch_routes_channel_scores(monkeypatch):
     calls = []
-    for name, module in (("triton", channel_kernels), ("cpu", cpu_kernels), ("torch", cc)):
-        real = module.channel_scores
-        monkeypatch.setattr(module, "channel_scores",
+    for name, module, fn in (("cpu", cpu_kernels, "channel_scores"),
+                             ("torch", cc, "channel_scores"),
+                             ("triton-paged", channel_kernels, "channel_scores_paged"),
+                             ("torch-paged", cc, "channel_scores_paged")):
+        real = getattr(module, fn)
+        monkeypatch.setattr(module, fn,
                             lambda *a, name=name, real=real: calls.append(name) or real(*a))
     keys_cm, key_start = _channel_major_pool([30], 1, 16, torch.float32, "cpu")
     channels = torch.zeros(1, 1, 4, dtype=torch.int32)
     args = (torch.randn(1, 2, 16), keys_cm, channels, key_start, _as_i32([30], "cpu"), 2, 2, 30)
     ops.channel_scores(*args)  # CPU tensors: the compiled kernel (with a compiler)
-    with ops.force_triton():
-        ops.channel_scores(*args)
     with ops.kernel_mode("torch"):
         ops.channel_scores(*args)
-    assert calls == ["cpu" if cpu_kernels.available() else "torch", "triton", "torch"]
+    paged = _paged(ops)
+    with ops.force_triton():
+        paged(*args)
+    with ops.kernel_mode("torch"):
+        paged(*args)
+    assert calls == ["cpu" if cpu_kernels.available() else "torch", "torch", "triton-paged",
+                     "torch-paged", "torch"]  # (the paged reference gathers, then scores)

@@ -1,5 +1,6 @@
 """The CPU value store: round trips, page reuse, the capacity bound, and the core protocol."""
 
+import ctypes
 import random
 
 import pytest
@@ -46,6 +47,28 @@ def test_round_trip_random_shapes(dtype):
         every = store.gather(key, torch.arange(heads).repeat_interleave(chunks),
                              torch.arange(chunks).repeat(heads))
         assert torch.equal(every, src.reshape(-1, C, D))
+
+
+def test_page_offsets_address_every_row_where_it_lies():
+    """What the in-place Triton kernel reads: row r of a key at pool + offsets[r // page_rows]
+    + (r % page_rows) row sizes, pages of every extent in the same address space."""
+    store = make_store(page_rows=4)
+    sources = {i: values(h, n) for i, (h, n) in enumerate([(2, 9), (1, 1), (4, 37)])}
+    for key, src in sources.items():
+        store.put(key, src)
+    assert len(store._extents) > 1
+    pool, row_numel = store.pool, C * D
+    for key, src in sources.items():
+        offsets = store.page_offsets(key)
+        assert offsets.dtype == torch.int64
+        for r, want in enumerate(src.reshape(-1, C, D)):
+            element = int(offsets[r // 4]) + (r % 4) * row_numel
+            memory = (ctypes.c_char * (row_numel * 4)).from_address(
+                pool.data_ptr() + element * pool.element_size())
+            assert torch.equal(torch.frombuffer(memory, dtype=torch.float32).view(C, D), want)
+    store.free(1)
+    with pytest.raises(KeyError, match="never put, or freed"):
+        store.page_offsets(1)
 
 
 def test_one_gather_for_many_keys_equals_a_gather_per_key():

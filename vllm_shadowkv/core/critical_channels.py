@@ -10,10 +10,12 @@ GQA, as the paper's code does (digest §11.8): the group's query heads are summe
 paper takes the mean, the same order) for both the channel choice and the partial scores, and
 the top-k is per KV head.
 
-`channel_scores` is the torch reference of the Triton kernel in
-vllm_shadowkv.triton_kernels.channel_kernels and of the compiled CPU kernel in cpu_kernels.py
-(same signature); the others are vectorised torch used on every device (small tensors, or one
-torch.topk).
+`channel_scores` is the torch reference of the compiled CPU kernel in cpu_kernels.py, which
+reads channel rows gathered out of the host store. `channel_scores_paged` reads them where the
+store keeps them (on CUDA the kernel loads pinned host memory directly, so the step never waits
+for the host to gather); it is the reference of the Triton kernel in
+vllm_shadowkv.triton_kernels.channel_kernels (same signature). The others are vectorised torch
+used on every device (small tensors, or one torch.topk).
 """
 
 import torch
@@ -69,6 +71,45 @@ def channel_scores(
     """
     return scores_per_request(q, keys_cm, channels, key_start, prompt_len, sink, recent,
                               max_len, partial_scores)
+
+
+def channel_scores_paged(
+    q: torch.Tensor,
+    pool: torch.Tensor,
+    page_offset: torch.Tensor,
+    page_start: torch.Tensor,
+    channels: torch.Tensor,
+    prompt_len: torch.Tensor,
+    sink: int,
+    recent: int,
+    max_len: int,
+    chunk: int,
+    page_rows: int,
+) -> torch.Tensor:
+    """`channel_scores` over keys in a host store's pages. Request b's channel-major key copy is
+    rows of ``chunk`` tokens of one channel, ``[h_kv, d, n_b, chunk]`` flattened to rows
+    (n_b = ceil(prompt_len[b] / chunk), the last one padded); row r lies in page
+    ``page_start[b] + r // page_rows``, whose first element is ``pool[page_offset[page]]``.
+
+    pool: 1-D, the store's memory; page_offset [P] int64; page_start [B] int32. The kernel adds
+    offsets to pool's address, so a store of several extents passes its first and reaches the
+    others in the same address space; this reference indexes pool, so its pages must lie in it."""
+    batch, h_q, head_dim = q.shape
+    h_kv = channels.shape[1]
+    page_offset = page_offset.to(pool.device)
+    parts, starts, at = [], [], 0
+    for first_page, n in zip(page_start.tolist(), prompt_len.tolist()):
+        chunks = -(-n // chunk)
+        row = torch.arange(h_kv * head_dim * chunks, device=pool.device)
+        page = page_offset[first_page + row // page_rows]
+        element = (page + (row % page_rows) * chunk).view(-1, 1) + torch.arange(chunk,
+                                                                                device=pool.device)
+        parts.append(pool[element].view(h_kv, head_dim, chunks * chunk))
+        starts.append(at)
+        at += chunks * chunk
+    keys_cm = torch.cat(parts, dim=2).to(q.device) if parts else q.new_empty(h_kv, head_dim, 0)
+    key_start = torch.tensor(starts, dtype=torch.int32, device=q.device)
+    return channel_scores(q, keys_cm, channels, key_start, prompt_len, sink, recent, max_len)
 
 
 def partial_scores(q_crit: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:

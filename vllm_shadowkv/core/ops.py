@@ -76,9 +76,17 @@ def select_chunks(scores, landmark_chunks, lm_start, lm_count, k):
 
 
 def channel_scores(q, keys_cm, channels, key_start, prompt_len, sink, recent, max_len):
-    impl = (_kernels("channel_kernels") if _use_triton(q)
-            else cpu_kernels if _compiled_cpu(q) else critical_channels)
+    """Over channel rows gathered out of the host store (the CPU's path; the Triton path reads
+    them in place, `channel_scores_paged`)."""
+    impl = cpu_kernels if _compiled_cpu(q) else critical_channels
     return impl.channel_scores(q, keys_cm, channels, key_start, prompt_len, sink, recent, max_len)
+
+
+def channel_scores_paged(q, pool, page_offset, page_start, channels, prompt_len, sink, recent,
+                         max_len, chunk, page_rows):
+    impl = _kernels("channel_kernels") if _use_triton(q) else critical_channels
+    return impl.channel_scores_paged(q, pool, page_offset, page_start, channels, prompt_len,
+                                     sink, recent, max_len, chunk, page_rows)
 
 
 def rebuild_keys(a, a_rows, a_positions, a_start, b, slot_chunks, miss_slots, miss_count, rope,

@@ -186,6 +186,27 @@ class CpuValueStore:
         self.bytes_fetched += out.numel() * out.element_size()
         return out
 
+    @property
+    def pool(self) -> torch.Tensor:
+        """The first extent, flat: where `page_offsets` count from."""
+        if not self._extents:
+            raise RuntimeError("value store: nothing allocated yet, so no pool to address")
+        return self._extents[0].view(-1)
+
+    def page_offsets(self, key: Hashable) -> torch.Tensor:
+        """The element offset of each of the key's pages (logical order) from `pool`'s first
+        element, int64 [n_pages]: how a kernel reads rows in place (row r of the key at
+        ``pool + offsets[r // page_rows] + (r % page_rows) * prod(row_shape)``; pages of other
+        extents lie outside `pool`'s bounds, in the same address space). Valid while the key is
+        stored: extents are never released."""
+        entry = self._entries.get(key)
+        if entry is None:
+            raise KeyError(f"value store has no values for key {key!r} (never put, or freed)")
+        base, itemsize = self._extents[0].data_ptr(), self.dtype.itemsize
+        extent_offset = torch.tensor([(e.data_ptr() - base) // itemsize for e in self._extents])
+        row_numel = math.prod(self.row_shape)
+        return extent_offset[entry.page_extent] + entry.page_base * row_numel
+
     def free(self, key: Hashable) -> None:
         """Give the key's pages back; unknown keys are ignored (requests aborted before a put)."""
         entry = self._entries.pop(key, None)

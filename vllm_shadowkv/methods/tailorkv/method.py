@@ -6,10 +6,12 @@ sparsity-friendly (S), from ``q_layers`` (layers.py).
 * **S-layers** keep only the sink and recent tokens on the pages; the whole prompt's 16-bit
   K/V go to the host store (rows of one token of one KV head) with a channel-major copy of the
   keys (rows of ``CHANNEL_CHUNK`` tokens of one channel). Each decode step picks, per KV head,
-  the ``critical_channels`` channels with the largest |q| x max|K|, fetches those channel rows,
-  scores the prompt's middle tokens over them (signed partial dot products), takes the top-k,
-  fetches the selected rows that missed the previous step's slots, and attends sink + recent +
-  selected + generated tokens exactly.
+  the ``critical_channels`` channels with the largest |q| x max|K|, scores the prompt's middle
+  tokens over those channel rows (signed partial dot products), takes the top-k, fetches the
+  selected rows that missed the previous step's slots, and attends sink + recent + selected +
+  generated tokens exactly. The Triton path reads the channel rows where the store keeps them
+  (on CUDA from pinned host memory, zero-copy), so a layer waits for the host once: for the
+  missed rows. The CPU path gathers them first (nothing waits on the CPU).
 
 Generated tokens collect in the engine's 16-bit ring and are folded every ``residual`` tokens:
 quantized in a Q-layer, as 16-bit rows in an S-layer (never offloaded, never scored)."""
@@ -18,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm_shadowkv.core import ops
+from vllm_shadowkv.core import ops, transfer
 from vllm_shadowkv.core.critical_channels import critical_channels, select_tokens
 from vllm_shadowkv.methods.base import KVShapes, LayerContext, RequestRows
 from vllm_shadowkv.methods.minikv.method import MiniKVMethod
@@ -44,6 +46,8 @@ class TailorKVMethod(MiniKVMethod):
         # prompt tokens in the slots [h, k] int32 (-1 empty; their rows follow the recent ones).
         self._absmax: dict[tuple[str, int], torch.Tensor] = {}
         self._slot_tokens: dict[tuple[str, int], torch.Tensor] = {}
+        # Per (request, S-layer), on the Triton path: the store's page offsets of its key copy.
+        self._channel_pages: dict[tuple[str, int], torch.Tensor] = {}
 
     @classmethod
     def covering_settings(cls, key_width: int, context_len: int) -> dict:
@@ -93,6 +97,7 @@ class TailorKVMethod(MiniKVMethod):
             key, by_channel.reshape(self.shapes.num_kv_heads, -1, CHANNEL_CHUNK).cpu())
         self._absmax[key] = torch.maximum(keys.amax(dim=0), -keys.amin(dim=0)).float()
         self._slot_tokens.pop(key, None)  # a recomputed request
+        self._channel_pages.pop(key, None)
         if self.settings.measure_fidelity:
             self._kept[key] = local.expand(self.shapes.num_kv_heads, -1).cpu()
 
@@ -109,7 +114,7 @@ class TailorKVMethod(MiniKVMethod):
 
     def release(self, req_id: str) -> None:
         super().release(req_id)
-        for table in (self._absmax, self._slot_tokens):
+        for table in (self._absmax, self._slot_tokens, self._channel_pages):
             for k in [k for k in table if k[0] == req_id]:
                 del table[k]
 
@@ -121,22 +126,20 @@ class TailorKVMethod(MiniKVMethod):
                 query: torch.Tensor) -> None:
         """The top-k middle tokens per KV head of each request's last committed query row, by
         their partial scores on the critical channels, brought into the request's slots."""
-        n, h, d = len(reqs), self.shapes.num_kv_heads, self.shapes.head_size
-        d_s, s = self.settings.critical_channels, self.settings
-        device = query.device
-        rows = torch.tensor([r.end - 1 - r.guess for r in reqs], device=device)
+        h, s, device = self.shapes.num_kv_heads, self.settings, query.device
+        lens = [r.prompt_len for r in reqs]
+        rows = transfer.to_device_async(torch.tensor([r.end - 1 - r.guess for r in reqs]), device)
+        prompt_len = transfer.to_device_async(torch.tensor(lens, dtype=torch.int32), device)
         q = query[rows]  # [n, Hq, d]
         keys = [(r.req_id, layer.index) for r in reqs]
         channels = critical_channels(self._channel_query(layer, rows, q),
-                                     torch.stack([self._absmax[key] for key in keys]), d_s)
-        keys_cm, key_start = self._channel_rows(layer, reqs, channels)
-        g = q.shape[1] // h
-        q_crit = q.view(n, h, g, d).gather(
-            3, channels.long().unsqueeze(2).expand(n, h, g, d_s)).reshape(n, h * g, d_s)
-        prompt_len = torch.tensor([r.prompt_len for r in reqs], dtype=torch.int32, device=device)
-        own = torch.arange(d_s, dtype=torch.int32, device=device).expand(n, h, d_s)
-        scores = ops.channel_scores(q_crit, keys_cm, own.contiguous(), key_start, prompt_len,
-                                    s.sink, s.recent, int(prompt_len.max()))
+                                     torch.stack([self._absmax[key] for key in keys]),
+                                     s.critical_channels)
+        score = self._scores_in_place if ops.uses_triton(q) else self._scores_gathered
+        scores = score(layer, keys, lens, q, channels, prompt_len)
+        row_bytes = h * s.critical_channels * CHANNEL_CHUNK * self.shapes.elem_bytes
+        for req, n in zip(reqs, lens):  # the channel rows read from the store
+            layer.stats(req.req_id).bytes_fetched += -(-n // CHANNEL_CHUNK) * row_bytes
         wanted = select_tokens(scores, prompt_len, s.sink, s.recent, k)
 
         empty = torch.full((h, k), -1, dtype=torch.int32, device=device)
@@ -163,31 +166,55 @@ class TailorKVMethod(MiniKVMethod):
         predicted = predicted_query.predicted(layer.index)
         return q if predicted is None else predicted[rows].view_as(q)
 
-    def _channel_rows(self, layer: LayerContext, reqs: list[RequestRows],
-                      channels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The critical channels' key rows from the store: ``[h, d_s, N]`` with request b's
-        prompt at columns [key_start[b], + its chunks), and key_start ``[n]``."""
-        h, d_s = self.shapes.num_kv_heads, channels.shape[-1]
-        chunks = [-(-r.prompt_len // CHANNEL_CHUNK) for r in reqs]
+    def _scores_in_place(self, layer: LayerContext, keys: list, lens: list[int],
+                         q: torch.Tensor, channels: torch.Tensor,
+                         prompt_len: torch.Tensor) -> torch.Tensor:
+        """The partial scores with the channel rows read where the store keeps them."""
+        store = layer.store_for((CHANNEL_CHUNK,))
+        offsets, page_start = [], [0]
+        for key in keys:
+            if key not in self._channel_pages:  # once per request and layer
+                self._channel_pages[key] = transfer.to_device_async(store.page_offsets(key),
+                                                                    q.device)
+            offsets.append(self._channel_pages[key])
+            page_start.append(page_start[-1] + len(offsets[-1]))
+        page_start = transfer.to_device_async(
+            torch.tensor(page_start[:-1], dtype=torch.int32), q.device)
+        s = self.settings
+        return ops.channel_scores_paged(q, store.pool, torch.cat(offsets), page_start, channels,
+                                        prompt_len, s.sink, s.recent, max(lens), CHANNEL_CHUNK,
+                                        store.page_rows)
+
+    def _scores_gathered(self, layer: LayerContext, keys: list, lens: list[int],
+                         q: torch.Tensor, channels: torch.Tensor,
+                         prompt_len: torch.Tensor) -> torch.Tensor:
+        """The partial scores over the critical channels' key rows gathered from the store into
+        ``[h, d_s, N]``, request b's prompt at columns [key_start[b], + its chunks)."""
+        n, h, d = len(keys), self.shapes.num_kv_heads, self.shapes.head_size
+        d_s = channels.shape[-1]
+        chunks = [-(-length // CHANNEL_CHUNK) for length in lens]
         cpu_channels = channels.long().cpu()
         heads = torch.arange(h).repeat_interleave(d_s)
         ids, counts = [], []
-        for request_channels, n in zip(cpu_channels, chunks):
-            ids.append((request_channels.view(-1, 1) * n + torch.arange(n)).flatten())
-            counts.append(h * d_s * n)
-        store = layer.store_for((CHANNEL_CHUNK,))
+        for request_channels, m in zip(cpu_channels, chunks):
+            ids.append((request_channels.view(-1, 1) * m + torch.arange(m)).flatten())
+            counts.append(h * d_s * m)
         fetched = torch.empty(sum(counts), CHANNEL_CHUNK, dtype=self.shapes.dtype)
-        store.gather_many([(r.req_id, layer.index) for r in reqs],
-                          torch.cat([heads.repeat_interleave(n) for n in chunks]),
-                          torch.cat(ids), counts, fetched)
+        layer.store_for((CHANNEL_CHUNK,)).gather_many(
+            keys, torch.cat([heads.repeat_interleave(m) for m in chunks]), torch.cat(ids), counts,
+            fetched)
         fetched = fetched.to(channels.device)
         keys_cm = torch.cat([part.view(h, d_s, -1) for part in fetched.split(counts)], dim=2)
-        width = torch.tensor([n * CHANNEL_CHUNK for n in chunks], dtype=torch.int32,
+        width = torch.tensor([m * CHANNEL_CHUNK for m in chunks], dtype=torch.int32,
                              device=channels.device)
         key_start = (torch.cumsum(width, 0) - width).to(torch.int32)
-        for r, count in zip(reqs, counts):
-            layer.stats(r.req_id).bytes_fetched += count * CHANNEL_CHUNK * self.shapes.elem_bytes
-        return keys_cm, key_start
+        g = q.shape[1] // h
+        q_crit = q.view(n, h, g, d).gather(
+            3, channels.long().unsqueeze(2).expand(n, h, g, d_s)).reshape(n, h * g, d_s)
+        own = torch.arange(d_s, dtype=torch.int32, device=q.device).expand(n, h, d_s)
+        s = self.settings
+        return ops.channel_scores(q_crit, keys_cm, own.contiguous(), key_start, prompt_len,
+                                  s.sink, s.recent, max(lens))
 
     def _slot_rows(self, layer: LayerContext, req: RequestRows, k: int):
         """Page row ids of the request's slots in this layer, keys and values ``[h, k]``."""
