@@ -424,7 +424,7 @@ def print_table(rows: list[dict]) -> None:
 
 
 def main() -> None:
-    global SETTINGS
+    global SETTINGS, DRIFT
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--contexts", type=int, nargs="+", default=[32768, 131072])
@@ -434,11 +434,15 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     parser.add_argument("--profile-context", type=int, default=32768, help="0: no profile")
     parser.add_argument("--profile-batch", type=int, default=4)
+    parser.add_argument("--drift", type=float, default=DRIFT,
+                        help="query correlation between steps (0: independent, the engine's "
+                             "random-token prompts: hit rate about 0.1)")
     parser.add_argument("--sparse-budget", type=int, default=SETTINGS.sparse_budget,
                         help="tokens selected per KV head (the paper's 2048 is 1.56 %% of 128K)")
     parser.add_argument("--out", type=Path, default=Path(__file__).with_name("layer_decode"))
     args = parser.parse_args()
     SETTINGS = dataclasses.replace(SETTINGS, sparse_budget=args.sparse_budget)
+    DRIFT = args.drift
     torch.set_num_threads(args.threads)
     keep_freed_memory()  # as the engine's impl does in its worker (both backends run under it)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -4,9 +4,10 @@
       --out benchmarks/profiles/minikv_decode_8k.txt
 
 The model defaults to the local Llama-3.1-8B-shape model (2 layers). The prompt (random token
-ids) is prefilled, 3 decode steps warm the compiled kernels, then ``--steps`` decode steps run
-under cProfile. Written: ms per step (cProfile's overhead included) and the functions by
-cumulative time. For where the time goes, not for ratios (benchmarks/throughput.py).
+ids) is prefilled (in chunks, as the scheduler splits it), 3 decode steps warm the compiled
+kernels, then ``--steps`` decode steps run under cProfile. Written: ms per step (cProfile's
+overhead included), the functions by cumulative time and by their own time. For where the
+time goes, not for ratios (benchmarks/throughput.py).
 """
 
 import argparse
@@ -49,8 +50,9 @@ def main() -> None:
     prompt = TokensPrompt(prompt_token_ids=[rng.randrange(256) for _ in range(args.context)])
     engine.add_request("r", prompt, SamplingParams(temperature=0.0, max_tokens=args.steps + 5,
                                                    ignore_eos=True))
-    for _ in range(4):  # the prefill, then 3 decode steps
-        engine.step()
+    generated = 0
+    while generated < 4:  # the prefill (several steps when chunked), then 3 decode steps
+        generated = sum(len(out.outputs[0].token_ids) for out in engine.step())
     profiler = cProfile.Profile()
     start, steps = time.perf_counter(), 0
     profiler.enable()
@@ -60,7 +62,9 @@ def main() -> None:
     profiler.disable()
     per_step = 1000 * (time.perf_counter() - start) / steps
     text = io.StringIO()
-    pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(60)
+    stats = pstats.Stats(profiler, stream=text)
+    stats.sort_stats("cumulative").print_stats(60)
+    stats.sort_stats("tottime").print_stats(40)  # where the time is spent, op by op
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(f"{args.method} at {args.context} tokens, settings {args.settings}: "
                         f"{per_step:.1f} ms per decode step over {steps} steps (under cProfile)"

@@ -2,7 +2,8 @@
 # The GPU checks in one call, for a CUDA machine with torch and Triton (vLLM not needed): the
 # Triton kernels against their torch references, the CUDA decode path (pinned store, copy
 # stream) against the CPU's, its one host wait per layer (CUDA's sync debug mode,
-# tests/core/test_host_waits.py), SpeCache's deferred slot fetch on CUDA, the decode-step
+# tests/core/test_host_waits.py), TailorKV's channel scores read from pinned host pages in place
+# (tests/core/test_critical_channels.py), SpeCache's deferred slot fetch on CUDA, the decode-step
 # benchmark at Llama-3.1-8B shapes, the engine's exact attention (the paged Triton kernel
 # against its gathered-SDPA predecessor, time and peak memory) and MiniKV's column sums
 # (Triton) against it.

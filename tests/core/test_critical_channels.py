@@ -231,6 +231,30 @@ def test_kernel_matches_reference(group, head_dim, dtype, impl, kernel_device):
     assert torch.equal(got_ids >= 0, want_ids >= 0)
 
 
+def test_paged_kernel_reaches_pages_below_the_pool(kernel_device):
+    """A store's later extents may lie below its first: negative page offsets."""
+    h_kv, head_dim, chunk, page_rows, n = 2, 16, 16, 4, 100
+    keys_cm, key_start = _channel_major_pool([n], h_kv, head_dim, torch.float32, "cpu")
+    chunks = -(-n // chunk)
+    rows = torch.nn.functional.pad(keys_cm[:, :, :n], (0, chunks * chunk - n)).reshape(-1, chunk)
+    pages = rows.view(-1, page_rows * chunk)  # h_kv * d * chunks rows: whole pages here
+    memory = pages.flip(0).flatten()  # the pages in reverse order
+    if kernel_device.type == "cuda":
+        memory = memory.pin_memory()  # host memory, read over the bus as the store's
+    pool = memory[-page_rows * chunk:]  # the last page: every other one lies below it
+    offsets = -torch.arange(len(pages), dtype=torch.int64) * page_rows * chunk
+    q = torch.randn(1, h_kv * 4, head_dim, device=kernel_device)
+    channels = cc.critical_channels(q, cc.key_channel_absmax(keys_cm, key_start,
+                                                             _as_i32([n], "cpu")).to(q.device), 5)
+    prompt_len = _as_i32([n], kernel_device)
+    got = channel_kernels.channel_scores_paged(
+        q, pool, offsets.to(kernel_device), _as_i32([0], kernel_device), channels, prompt_len,
+        3, 7, n, chunk, page_rows)
+    want = cc.channel_scores(q, keys_cm.to(kernel_device), channels,
+                             key_start.to(kernel_device), prompt_len, 3, 7, n)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("impl", KERNELS)
 @pytest.mark.parametrize("group", [1, 4, 8])
 def test_kernel_with_ties(group, impl, kernel_device):
