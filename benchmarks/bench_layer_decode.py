@@ -17,8 +17,10 @@ one decode token per request. Needs vLLM's CPU build (``vllm._custom_ops``).
   ``CpuValueStore``; each step writes the step's K/V to the generated-token pages
   (``write_exact``) and runs one ``method.decode`` for the whole batch (the torch references on
   the CPU). Keys are low-rank before RoPE, as in bench_decode_step.py; one prompt per context,
-  compressed once per request. Queries drift between steps (q <- 0.9 q + 0.44 noise), so the
-  slot hit cache works as in decoding; the hit rate is the requests' ``RequestStats``.
+  compressed once per request. Queries drift between steps (q <- 0.9 q + 0.44 noise, ``--drift``
+  0.9), so the slot hit cache works as in decoding; the hit rate is the requests'
+  ``RequestStats``. ``--drift 0`` (independent queries, hit rate about 0.03) is the regime of
+  the end-to-end runs' random-token prompts.
 
 Timed: the per-layer work (K/V write + attention), the median of ``--reps`` steps after
 ``--warmup`` steps (the first shadowkv step fills every slot); a step's metadata (built once per
