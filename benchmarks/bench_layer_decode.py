@@ -438,7 +438,7 @@ def main() -> None:
     parser.add_argument("--profile-batch", type=int, default=4)
     parser.add_argument("--drift", type=float, default=DRIFT,
                         help="query correlation between steps (0: independent, the engine's "
-                             "random-token prompts: hit rate about 0.1)")
+                             "random-token prompts: hit rate about 0.03)")
     parser.add_argument("--sparse-budget", type=int, default=SETTINGS.sparse_budget,
                         help="tokens selected per KV head (the paper's 2048 is 1.56 %% of 128K)")
     parser.add_argument("--out", type=Path, default=Path(__file__).with_name("layer_decode"))

@@ -94,8 +94,7 @@ def channel_scores_paged(
     pool: 1-D, the store's memory; page_offset [P] int64; page_start [B] int32. The kernel adds
     offsets to pool's address, so a store of several extents passes its first and reaches the
     others in the same address space; this reference indexes pool, so its pages must lie in it."""
-    batch, h_q, head_dim = q.shape
-    h_kv = channels.shape[1]
+    head_dim, h_kv = q.shape[-1], channels.shape[1]
     page_offset = page_offset.to(pool.device)
     parts, starts, at = [], [], 0
     for first_page, n in zip(page_start.tolist(), prompt_len.tolist()):

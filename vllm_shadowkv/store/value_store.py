@@ -147,12 +147,7 @@ class CpuValueStore:
         if not stored:
             return out
         keys, counts = zip(*stored)
-        entries = []
-        for key in keys:
-            entry = self._entries.get(key)
-            if entry is None:
-                raise KeyError(f"value store has no values for key {key!r} (never put, or freed)")
-            entries.append(entry)
+        entries = [self._entry(key) for key in keys]
         heads, chunks = heads.cpu().long(), chunks.cpu().long()
         per_row = torch.tensor(counts)
 
@@ -199,13 +194,17 @@ class CpuValueStore:
         ``pool + offsets[r // page_rows] + (r % page_rows) * prod(row_shape)``; pages of other
         extents lie outside `pool`'s bounds, in the same address space). Valid while the key is
         stored: extents are never released."""
-        entry = self._entries.get(key)
-        if entry is None:
-            raise KeyError(f"value store has no values for key {key!r} (never put, or freed)")
+        entry = self._entry(key)
         base, itemsize = self._extents[0].data_ptr(), self.dtype.itemsize
         extent_offset = torch.tensor([(e.data_ptr() - base) // itemsize for e in self._extents])
         row_numel = math.prod(self.row_shape)
         return extent_offset[entry.page_extent] + entry.page_base * row_numel
+
+    def _entry(self, key: Hashable) -> _Entry:
+        entry = self._entries.get(key)
+        if entry is None:
+            raise KeyError(f"value store has no values for key {key!r} (never put, or freed)")
+        return entry
 
     def free(self, key: Hashable) -> None:
         """Give the key's pages back; unknown keys are ignored (requests aborted before a put)."""
