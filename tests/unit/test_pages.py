@@ -243,6 +243,29 @@ def test_paged_sparse_decode_on_cuda_matches_cpu():
         torch.testing.assert_close(got, ref, atol=3e-2, rtol=3e-2)
 
 
+@pytest.mark.parametrize("rank", [62, 61])  # state rows tile a 16-token page, or do not
+def test_state_rows_write_where_they_read(rank):
+    """``write_rows`` puts each row where ``read_rows`` finds it and touches nothing else, both
+    through the flat row index (rows tile the pages) and by (page, row in page)."""
+    g = torch.Generator().manual_seed(rank)
+    layout = make_layout(block_size=16, settings=ShadowKVSettings(
+        rank=rank, sparse_budget=64, outlier_chunks=4, local_window=16, min_sparse_len=256))
+    pages = layout.method.pages
+    page_elems = pages.page_bytes // layout.shapes.elem_bytes
+    assert (page_elems == pages.rows_per_page * 32) == (rank == 62)
+    p = 1000
+    cache, block_ids = pages_for(layout, p, p + 1, g)
+    plan = pages.plan(p, layout.region_ids(p, block_ids))
+    offsets = torch.cat([plan.slot_v, plan.b])[torch.randperm(plan.b.numel(), generator=g)]
+    rows = torch.randn(offsets.numel(), 32, generator=g)
+    before = cache.clone()
+    pages.write_rows(cache, offsets, rows)
+    torch.testing.assert_close(pages.read_rows(cache, offsets), rows, rtol=0, atol=0)
+    changed = (cache != before).view(-1).nonzero().flatten()
+    written = (offsets.unsqueeze(1) + torch.arange(32)).flatten()
+    assert set(changed.tolist()) <= set(written.tolist())
+
+
 def test_layers_with_different_pages_share_one_block_table():
     """Per-layer policy: a method whose layers keep different amounts (``token_bytes`` per
     layer) gets one spec per layer; vLLM groups them under one block table

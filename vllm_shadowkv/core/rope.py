@@ -31,12 +31,16 @@ def _pairs(x: torch.Tensor, rope: RopeCache):
     return rot[..., 0::2], rot[..., 1::2]
 
 
-def _join(x: torch.Tensor, x1: torch.Tensor, x2: torch.Tensor, rope: RopeCache) -> torch.Tensor:
+def _join(x: torch.Tensor, x1: torch.Tensor, x2: torch.Tensor, rope: RopeCache,
+          dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    # The halves are converted before they are joined: compiled, each then writes its slice of
+    # the output in ``dtype`` (joined first, the fp32 result took one more pass to convert).
+    x1, x2 = x1.to(dtype), x2.to(dtype)
     if rope.is_neox_style:
         rot = torch.cat((x1, x2), dim=-1)
     else:
         rot = torch.stack((x1, x2), dim=-1).flatten(-2)
-    return torch.cat((rot, x[..., rope.rotary_dim:].float()), dim=-1)
+    return torch.cat((rot, x[..., rope.rotary_dim:].to(dtype)), dim=-1)
 
 
 def _cos_sin(positions: torch.Tensor, rope: RopeCache):
@@ -45,12 +49,13 @@ def _cos_sin(positions: torch.Tensor, rope: RopeCache):
     return cos.unsqueeze(-2), sin.unsqueeze(-2)  # broadcast over heads
 
 
-def apply_rope(x: torch.Tensor, positions: torch.Tensor, rope: RopeCache) -> torch.Tensor:
-    """x [T, heads, head_dim] -> rotated at `positions` [T]; fp32 math, x's dtype out."""
+def apply_rope(x: torch.Tensor, positions: torch.Tensor, rope: RopeCache,
+               dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x [T, heads, head_dim] -> rotated at `positions` [T]; fp32 math, ``dtype`` out (x's by
+    default)."""
     cos, sin = _cos_sin(positions, rope)
     x1, x2 = (p.float() for p in _pairs(x, rope))
-    out = _join(x, x1 * cos - x2 * sin, x2 * cos + x1 * sin, rope)
-    return out.to(x.dtype)
+    return _join(x, x1 * cos - x2 * sin, x2 * cos + x1 * sin, rope, dtype or x.dtype)
 
 
 def invert_rope(x: torch.Tensor, positions: torch.Tensor, rope: RopeCache) -> torch.Tensor:
