@@ -196,12 +196,17 @@ def test_rebuild_keys(head_dim, dtype, rope_kind, layout, impl, kernel_device):
 @pytest.mark.parametrize("head_dim,dtype", [(64, torch.float32), (128, torch.bfloat16)])
 @pytest.mark.parametrize("slots", ["contiguous", "strided"])
 @pytest.mark.parametrize("impl", list(KERNELS))
-def test_scatter_values(head_dim, dtype, slots, impl, kernel_device):
+@pytest.mark.parametrize("staged", ["packed", "spaced"])  # the decode step's, or a spare row each
+def test_scatter_values(head_dim, dtype, slots, impl, staged, kernel_device):
     batch, h_kv, k, c = 3, 4, 7, 8
     _, miss_slots, miss_count = _miss_setup(batch, h_kv, k, [k, k, k], kernel_device)
     flat = miss_count.flatten()
-    staging_start = (flat.cumsum(0) - flat).view_as(miss_count).to(torch.int32)
-    staging = torch.randn(head_dim, int(flat.sum()), c, device=kernel_device).to(dtype).permute(1, 2, 0)
+    spare = int(staged == "spaced")
+    staging_start = (flat.cumsum(0) - flat + spare * torch.arange(1, len(flat) + 1,
+                                                                  device=kernel_device))
+    staging_start = staging_start.view_as(miss_count).to(torch.int32)
+    rows = int(flat.sum()) + spare * len(flat)
+    staging = torch.randn(head_dim, rows, c, device=kernel_device).to(dtype).permute(1, 2, 0)
     base = torch.randn(batch, h_kv, k * c, head_dim, device=kernel_device).to(dtype)
     if slots == "strided":
         base = base.transpose(0, 1).contiguous().transpose(0, 1)

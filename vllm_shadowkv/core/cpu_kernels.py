@@ -261,8 +261,11 @@ def scatter_values(staging, staging_start, miss_slots, miss_count, slot_v):
     valid = torch.arange(width) < miss_count.unsqueeze(-1)  # [B, h, w]
     src = (staging_start.long().unsqueeze(-1) + torch.arange(width))[valid]
     picked = valid.flatten().nonzero().squeeze(1)
+    # The decode step stages the misses in exactly this order: no gather needed then.
+    rows = (staging if torch.equal(src, torch.arange(len(staging)))
+            else staging.index_select(0, src))
     _write_slots(slot_v.unflatten(2, (k, -1)), miss_slots[..., :width].long(), picked,
-                 staging.index_select(0, src).to(slot_v.dtype))
+                 rows.to(slot_v.dtype))
 
 
 def _write_slots(slots: torch.Tensor, dest: torch.Tensor, picked: torch.Tensor,
