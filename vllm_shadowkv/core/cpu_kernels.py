@@ -245,10 +245,10 @@ def rebuild_keys(a, a_rows, a_positions, a_start, b, slot_chunks, miss_slots, mi
     positions = a_positions.index_select(0, flat).view(rows.shape)
     keys = _keys(a_picked, b, positions, rope.cos_sin_cache, rope.rotary_dim,
                  rope.is_neox_style, native_bf16_gemm(), slot_k.dtype)
-    dest = (slots.unsqueeze(-1) * c + offsets).flatten(2)  # [B, h, w*c]
-    wanted = valid.unsqueeze(-1).expand(-1, -1, -1, c).flatten(2)
-    picked = wanted.flatten().nonzero().squeeze(1)  # (a boolean index of keys cost 1.3x)
-    _write_slots(slot_k, dest, picked, keys.reshape(-1, keys.shape[-1]).index_select(0, picked))
+    # Whole chunks of c rows (8x fewer, longer copies than row by row).
+    picked = valid.flatten().nonzero().squeeze(1)  # (a boolean index of keys cost 1.3x)
+    _write_slots(slot_k.unflatten(2, (k, c)), slots, picked,
+                 keys.reshape(-1, c, keys.shape[-1]).index_select(0, picked))
 
 
 def scatter_values(staging, staging_start, miss_slots, miss_count, slot_v):
