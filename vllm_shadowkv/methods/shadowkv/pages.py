@@ -173,7 +173,7 @@ class ShadowKVPages:
         """``data`` [n, head_dim] into the state rows at element ``offsets`` [n]."""
         page_elems, d = self.page_bytes // self.shapes.elem_bytes, self.shapes.head_size
         if page_elems == self.rows_per_page * d:  # rows tile the pages: one flat row index
-            kv_cache.view(-1, d).index_copy_(0, offsets // d, data)
+            kv_cache.view(-1, d).index_copy_(0, offsets // d, data.to(kv_cache.dtype))
             return
         pages = kv_cache.view(kv_cache.shape[0], -1)[:, : self.rows_per_page * d]
         pages.view(kv_cache.shape[0], -1, d)[offsets // page_elems,
