@@ -176,8 +176,10 @@ class CpuValueStore:
                                                  heads * num_rows + chunks, first_page):
             if at is None:
                 torch.index_select(extent, 0, local, out=out)
-            elif int(at[-1]) - int(at[0]) + 1 == len(at):  # one run of `out` (a key's rows)
-                torch.index_select(extent, 0, local, out=out[int(at[0]): int(at[-1]) + 1])
+                continue
+            first, last = int(at[0]), int(at[-1])
+            if last - first + 1 == len(at):  # one run of `out` (a key's rows)
+                torch.index_select(extent, 0, local, out=out[first: last + 1])
             else:
                 out[at] = extent.index_select(0, local)
         self.bytes_fetched += out.numel() * out.element_size()
