@@ -217,6 +217,29 @@ def test_scatter_values(head_dim, dtype, slots, impl, staged, kernel_device):
     assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("n", [0, 1, 2, 301])
+@pytest.mark.parametrize("width,src_dtype,dst_dtype", [(64, torch.float32, torch.float32),
+                                                       (128, torch.float32, torch.bfloat16),
+                                                       (1024, torch.bfloat16, torch.bfloat16)])
+@pytest.mark.parametrize("gathered", [False, True])
+def test_copy_rows(n, width, src_dtype, dst_dtype, gathered):
+    """The compiled row scatter against index_copy_: rows in any order, a gather of the source
+    rows or none, a dtype conversion; dst a view at an offset into a larger buffer (as a layer's
+    pages are), nothing outside the written rows touched."""
+    if not cpu_kernels.available():
+        pytest.skip("compiled CPU kernels: a C++ compiler")
+    buffer = torch.randn(3, 517 * width).to(dst_dtype)
+    index = torch.randperm(517)[:n]
+    src = torch.randn(n + 9 * gathered, width).to(src_dtype)
+    src_index = torch.randperm(n + 9)[:n] if gathered else None
+    got, want = buffer.clone(), buffer.clone()
+    cpu_kernels.copy_rows(got[1].view(517, width), index, src, src_index)
+    reconstruct.copy_rows(want[1].view(517, width), index, src, src_index)
+    assert torch.equal(got, want)
+    rows = src if src_index is None else src[src_index]
+    assert torch.equal(want[1].view(517, width)[index], rows.to(dst_dtype))
+
+
 def test_dispatch_routes_to_kernels(monkeypatch):
     calls = []
     for name, module in (("triton", select_kernels), ("cpu", cpu_kernels), ("torch", select)):

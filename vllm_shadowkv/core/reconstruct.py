@@ -2,7 +2,8 @@
 
 Torch references of the kernels in vllm_shadowkv.triton_kernels.rebuild_kernels (same
 signatures). Both write in place and touch only the first miss_count[b, h] slots in
-miss_slots[b, h].
+miss_slots[b, h]. ``copy_rows`` is the row scatter that slots and pages are written with (its
+compiled CPU kernel: cpu_kernels.copy_rows).
 """
 
 import torch
@@ -79,3 +80,11 @@ def scatter_values(
                                indexing="ij")
     view = slot_v.unflatten(2, (k, c))
     view[bi[valid], hi[valid], slots[valid]] = staging[src[valid]].to(slot_v.dtype)
+
+
+def copy_rows(dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor,
+              src_index: torch.Tensor | None = None) -> None:
+    """dst[index[i]] = src[src_index[i]] (src[i] without ``src_index``), converted to dst's
+    dtype. dst [N, ...] is written in place; the rows of ``index`` are distinct."""
+    rows = src if src_index is None else src.index_select(0, src_index)
+    dst.index_copy_(0, index, rows.to(dst.dtype))

@@ -33,6 +33,7 @@ from functools import cached_property
 
 import torch
 
+from vllm_shadowkv.core import ops
 from vllm_shadowkv.core.kivi import QuantizedGroups
 from vllm_shadowkv.methods.base import KVShapes
 from vllm_shadowkv.methods.minikv.settings import MiniKVSettings
@@ -280,8 +281,8 @@ class MiniKVPages:
             field[ids] = data.reshape(-1, 1, *data.shape[2:]).to(field.dtype)
 
     def write_rows(self, kv_cache: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor) -> None:
-        self.row_pool(kv_cache)[ids.long()] = rows.reshape(-1, self.shapes.head_size).to(
-            kv_cache.dtype)
+        ops.copy_rows(self.row_pool(kv_cache), ids.long(),
+                      rows.reshape(-1, self.shapes.head_size))
 
 
 def _ids(pages: torch.Tensor, per_page: int, first: int, count: int) -> torch.Tensor:
