@@ -97,6 +97,32 @@ def test_one_gather_for_many_keys_equals_a_gather_per_key():
                           torch.empty(2, C, D))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gather_many_into_given_rows(dtype):
+    """``out_rows``: row i lands at out[out_rows[i]] (the CPU decode step's slots), the other
+    rows of ``out`` untouched, the same with either store; keys over several extents."""
+    gen = torch.Generator().manual_seed(2)
+    store, reference = make_store(dtype=dtype, page_rows=4), InMemoryValueStore()
+    sources = {key: values(h, n, dtype) for key, (h, n) in {"a": (3, 21), "b": (2, 6)}.items()}
+    for key, src in sources.items():
+        store.put(key, src), reference.put(key, src)
+    keys, counts = ["b", "a"], [5, 17]
+    heads = torch.cat([torch.randint(sources[k].shape[0], (n,), generator=gen)
+                       for k, n in zip(keys, counts)])
+    chunks = torch.cat([torch.randint(sources[k].shape[1], (n,), generator=gen)
+                        for k, n in zip(keys, counts)])
+    out_rows = torch.randperm(40, generator=gen)[:22]
+    before = torch.randn(40, C, D).to(dtype)
+    got = store.gather_many(keys, heads, chunks, counts, before.clone(), out_rows)
+    expected = before.clone()
+    expected[out_rows] = torch.cat([sources[k][h, c] for k, h, c in
+                                    zip(keys, heads.split(counts), chunks.split(counts))])
+    assert torch.equal(got, expected)
+    assert torch.equal(reference.gather_many(keys, heads, chunks, counts, before.clone(),
+                                             out_rows), expected)
+    assert store.bytes_fetched == 22 * C * D * before.element_size()
+
+
 def test_put_accepts_a_permuted_view_and_empty_gathers():
     store = make_store()
     src = torch.randn(5, 3, C, D)  # [n_chunks, h, c, d] as compress_prompt permutes it

@@ -164,6 +164,13 @@ class DecodeBatch:
             return
         ops.rebuild_keys(self.a, self.a_rows, self.a_positions, self.a_start, self.b,
                          self.slot_chunks, miss_slots, miss_count, self.rope, self.slot_k)
+        if ops.compiled_cpu(self.slot_v) and self.slot_v.is_contiguous():
+            # On the CPU the store's rows go straight into their slots (no staging copy):
+            # step_filled lists the slots in the (b, h, miss) order of heads and chunks.
+            store.gather_many(self.store_keys, heads, chunks, self.step_misses,
+                              self.slot_v.view(-1, self.params.chunk_size, self.slot_v.shape[-1]),
+                              self.step_filled)
+            return
         staging = self._fetch_values(heads, chunks, self.step_misses, store)
         flat = miss_count.flatten()
         staging_start = (flat.cumsum(0) - flat).view_as(miss_count).to(torch.int32)

@@ -48,7 +48,7 @@ def compiles(device: torch.device) -> bool:
     """Whether the kernels this mode runs on ``device`` compile on first use: the Triton kernels
     on CUDA, the compiled CPU kernels; not the references, nor Triton's CPU interpreter."""
     t = torch.empty(0, device=device)
-    return device.type == "cuda" if _use_triton(t) else _compiled_cpu(t)
+    return device.type == "cuda" if _use_triton(t) else compiled_cpu(t)
 
 
 def _kernels(name: str):
@@ -60,13 +60,14 @@ def uses_triton(t: torch.Tensor) -> bool:
     return _use_triton(t)
 
 
-def _compiled_cpu(t: torch.Tensor) -> bool:
+def compiled_cpu(t: torch.Tensor) -> bool:
+    """Whether work on ``t`` goes to the compiled CPU kernels in the current mode."""
     return _mode == "auto" and t.device.type == "cpu" and cpu_kernels.available()
 
 
 def landmark_scores(q, landmarks, lm_rows, lm_start, lm_count, max_count, scale):
     impl = (_kernels("select_kernels") if _use_triton(q)
-            else cpu_kernels if _compiled_cpu(q) else select)
+            else cpu_kernels if compiled_cpu(q) else select)
     return impl.landmark_scores(q, landmarks, lm_rows, lm_start, lm_count, max_count, scale)
 
 
@@ -78,7 +79,7 @@ def select_chunks(scores, landmark_chunks, lm_start, lm_count, k):
 def channel_scores(q, keys_cm, channels, key_start, prompt_len, sink, recent, max_len):
     """Over channel rows gathered out of the host store (the CPU's path; the Triton path reads
     them in place, `channel_scores_paged`)."""
-    impl = cpu_kernels if _compiled_cpu(q) else critical_channels
+    impl = cpu_kernels if compiled_cpu(q) else critical_channels
     return impl.channel_scores(q, keys_cm, channels, key_start, prompt_len, sink, recent, max_len)
 
 
@@ -92,14 +93,14 @@ def channel_scores_paged(q, pool, page_offset, page_start, channels, prompt_len,
 def rebuild_keys(a, a_rows, a_positions, a_start, b, slot_chunks, miss_slots, miss_count, rope,
                  slot_k):
     impl = (_kernels("rebuild_kernels") if _use_triton(slot_k)
-            else cpu_kernels if _compiled_cpu(slot_k) else reconstruct)
+            else cpu_kernels if compiled_cpu(slot_k) else reconstruct)
     impl.rebuild_keys(a, a_rows, a_positions, a_start, b, slot_chunks, miss_slots, miss_count,
                       rope, slot_k)
 
 
 def scatter_values(staging, staging_start, miss_slots, miss_count, slot_v):
     impl = (_kernels("rebuild_kernels") if _use_triton(slot_v)
-            else cpu_kernels if _compiled_cpu(slot_v) else reconstruct)
+            else cpu_kernels if compiled_cpu(slot_v) else reconstruct)
     impl.scatter_values(staging, staging_start, miss_slots, miss_count, slot_v)
 
 
@@ -107,19 +108,19 @@ def copy_rows(dst, index, src, src_index=None):
     """dst[index[i]] = src[src_index[i]]: the row writes of the slots and the state pages. CUDA
     runs torch's index_copy_ (the reference); the CPU its compiled loop (eager index_copy_ copies
     element by element, at half the rate of index_select)."""
-    impl = cpu_kernels if _compiled_cpu(dst) else reconstruct
+    impl = cpu_kernels if compiled_cpu(dst) else reconstruct
     impl.copy_rows(dst, index, src, src_index)
 
 
 def quant_attention(q, groups, group_table, group_count, fmt, scale, excluded=None):
     impl = (_kernels("quant_kernels") if _use_triton(q)
-            else cpu_kernels if _compiled_cpu(q) else quant_path)
+            else cpu_kernels if compiled_cpu(q) else quant_path)
     return impl.quant_attention(q, groups, group_table, group_count, fmt, scale, excluded)
 
 
 def quant_logits(q, groups, group_table, group_count, fmt, scale):
     impl = (_kernels("quant_kernels") if _use_triton(q)
-            else cpu_kernels if _compiled_cpu(q) else mixed_attention)
+            else cpu_kernels if compiled_cpu(q) else mixed_attention)
     return impl.quant_logits(q, groups, group_table, group_count, fmt, scale)
 
 

@@ -15,9 +15,11 @@ class ValueStore(Protocol):
         """Keep `values` [h_kv, n_chunks, chunk_size, d] of one request (one layer) under `key`."""
 
     def gather_many(self, keys: list[Hashable], heads: torch.Tensor, chunks: torch.Tensor,
-                    counts: list[int], out: torch.Tensor) -> torch.Tensor:
+                    counts: list[int], out: torch.Tensor,
+                    out_rows: torch.Tensor | None = None) -> torch.Tensor:
         """Rows (heads[i], chunks[i]) into host tensor `out` [M, chunk_size, d], for several keys
-        at once: key j owns the next counts[j] rows."""
+        at once: key j owns the next counts[j] rows. Row i goes to out[i], or to
+        out[out_rows[i]] (the CPU decode gathers straight into its slots)."""
 
     def free(self, key: Hashable) -> None:
         """Give back everything held for `key`."""
@@ -38,10 +40,13 @@ class InMemoryValueStore:
         return values[heads.to(self.device).long(), chunks.to(self.device).long()]
 
     def gather_many(self, keys: list[Hashable], heads: torch.Tensor, chunks: torch.Tensor,
-                    counts: list[int], out: torch.Tensor) -> torch.Tensor:
+                    counts: list[int], out: torch.Tensor,
+                    out_rows: torch.Tensor | None = None) -> torch.Tensor:
         parts = zip(keys, heads.split(counts), chunks.split(counts))
-        return out.copy_(torch.cat([self.gather(k, h, c) for k, h, c in parts if len(h)]
-                                   or [out[:0]]))
+        rows = torch.cat([self.gather(k, h, c) for k, h, c in parts if len(h)] or [out[:0]])
+        if out_rows is None:
+            return out.copy_(rows)
+        return out.index_copy_(0, out_rows.to(out.device).long(), rows.to(out.device))
 
     def free(self, key: Hashable) -> None:
         self._values.pop(key, None)

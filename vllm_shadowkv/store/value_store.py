@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from vllm_shadowkv.core import ops
+
 _MAX_EXTENT_BYTES = 1 << 30
 
 
@@ -137,12 +139,14 @@ class CpuValueStore:
         return self.gather_many([key], heads, chunks, [len(heads)], out)
 
     def gather_many(self, keys: list[Hashable], heads: torch.Tensor, chunks: torch.Tensor,
-                    counts: list[int], out: torch.Tensor) -> torch.Tensor:
+                    counts: list[int], out: torch.Tensor,
+                    out_rows: torch.Tensor | None = None) -> torch.Tensor:
         """Rows of several keys into the CPU tensor `out` [M, *row_shape] at once: key i owns the
-        next counts[i] of (heads, chunks) (a key with none need not be stored). One
-        index_select per extent the rows touch, whatever the number of keys (on CUDA `out` is
-        the decode step's pinned staging buffer, which the core then copies on its copy
-        stream)."""
+        next counts[i] of (heads, chunks) (a key with none need not be stored). Row i goes to
+        out[i], or to out[out_rows[i]]: the CPU decode step gathers straight into its slots,
+        with no staging copy. One index_select (or ``copy_rows``) per extent the rows touch,
+        whatever the number of keys (on CUDA `out` is the decode step's pinned staging buffer,
+        which the core then copies on its copy stream)."""
         stored = [(k, n) for k, n in zip(keys, counts) if n]
         if not stored:
             return out
@@ -174,6 +178,11 @@ class CpuValueStore:
         extents = sorted({x for e in entries for x in e.extents})
         for extent, at, local in self._by_extent(page_extent, page_base, extents,
                                                  heads * num_rows + chunks, first_page):
+            if out_rows is not None:
+                dest = out_rows if at is None else out_rows.index_select(0, at)
+                ops.copy_rows(out.view(len(out), -1), dest.long(), extent.view(len(extent), -1),
+                              local)
+                continue
             if at is None:
                 torch.index_select(extent, 0, local, out=out)
                 continue
@@ -182,7 +191,7 @@ class CpuValueStore:
                 torch.index_select(extent, 0, local, out=out[first: last + 1])
             else:
                 out[at] = extent.index_select(0, local)
-        self.bytes_fetched += out.numel() * out.element_size()
+        self.bytes_fetched += len(heads) * math.prod(self.row_shape) * out.element_size()
         return out
 
     @property
