@@ -226,8 +226,7 @@ def test_copy_rows(n, width, src_dtype, dst_dtype, gathered):
     """The compiled row scatter against index_copy_: rows in any order, a gather of the source
     rows or none, a dtype conversion; dst a view at an offset into a larger buffer (as a layer's
     pages are), nothing outside the written rows touched."""
-    if not cpu_kernels.available():
-        pytest.skip("compiled CPU kernels: a C++ compiler")
+    _kernels("cpu", torch.device("cpu"))
     buffer = torch.randn(3, 517 * width).to(dst_dtype)
     index = torch.randperm(517)[:n]
     src = torch.randn(n + 9 * gathered, width).to(src_dtype)
