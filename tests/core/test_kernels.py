@@ -191,6 +191,20 @@ def test_rebuild_keys(head_dim, dtype, rope_kind, layout, impl, kernel_device):
     written.scatter_(-1, torch.where(miss_slots >= 0, miss_slots, k).long(), True)
     stale = (~written[..., :k]).repeat_interleave(c, dim=-1)
     assert torch.equal(got[stale], base[stale])  # slots that did not miss are left alone
+    if impl != "cpu":
+        return
+    # The engine's CPU step: slots are chunks of pages, anywhere ([N, c, d], slot_index).
+    slot_index = torch.randperm(2 * batch * h_kv * k)[:batch * h_kv * k].view(batch, h_kv, k)
+    pages = torch.randn(2 * batch * h_kv * k, c, head_dim).to(dtype)
+    pages[slot_index] = base.unflatten(2, (k, c))
+    got_pages, want_pages = pages.clone(), pages.clone()
+    cpu_kernels.rebuild_keys(*args, got_pages, slot_index)
+    reconstruct.rebuild_keys(*args, want_pages, slot_index)
+    torch.testing.assert_close(got_pages, want_pages, **tol)
+    torch.testing.assert_close(got_pages[slot_index], got.unflatten(2, (k, c)), **tol)
+    others = torch.ones(len(pages), dtype=torch.bool)
+    others[slot_index.flatten()] = False
+    assert torch.equal(got_pages[others], pages[others])  # no other chunk written
 
 
 @pytest.mark.parametrize("head_dim,dtype", [(64, torch.float32), (128, torch.bfloat16)])

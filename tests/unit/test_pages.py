@@ -62,16 +62,23 @@ def test_exact_tokens_round_trip_through_permuted_pages():
     assert len(set(zip(blocks.tolist(), slots.tolist()))) == total  # no two tokens share a slot
 
 
+# 32-token pages hold 72 state rows: the CPU step refills the slots in place; 40-token pages
+# hold 90, which no whole number of chunks fills: the slots are copied out and back.
+IN_PLACE_BLOCKS = {32: True, 40: False}
+
+
+@pytest.mark.parametrize("block_size", IN_PLACE_BLOCKS)
 @pytest.mark.parametrize("full", [True, False])
-def test_compress_then_sparse_decode_from_pages(full):
+def test_compress_then_sparse_decode_from_pages(full, block_size):
     """The paged path is the core's decode: with state kept in pages between steps it matches
-    ``DecodeBatch``/``decode_step`` step by step; with full rank and a budget covering the
-    context both are dense attention."""
+    ``DecodeBatch``/``decode_step`` step by step, with the slots refilled in place or copied;
+    with full rank and a budget covering the context both are dense attention."""
     g = torch.Generator().manual_seed(1)
     h, hq, d, p, gen = 2, 8, 32, 600, 3
     settings = SETTINGS if not full else ShadowKVSettings(
         rank=h * d, sparse_budget=1024, outlier_chunks=4, local_window=16, min_sparse_len=256)
-    layout = make_layout(settings=settings)
+    layout = make_layout(settings=settings, block_size=block_size)
+    assert layout.method.pages.slots_in_place == IN_PLACE_BLOCKS[block_size]
     method = layout.method
     rope = rope_for()
     total = p + gen
@@ -104,14 +111,16 @@ def test_compress_then_sparse_decode_from_pages(full):
     assert stats.decode_steps == gen and stats.hits > 0  # the slots persisted between steps
 
 
-def test_batched_decode_equals_each_request_alone():
+@pytest.mark.parametrize("block_size", IN_PLACE_BLOCKS)
+def test_batched_decode_equals_each_request_alone(block_size):
     """One ``decode`` call for a ragged batch (different prompt lengths and generated counts,
     one request with two query rows, one finishing mid-way) gives every request exactly what
-    it gets decoded alone in its own pages, and leaves the same page contents behind."""
+    it gets decoded alone in its own pages, and leaves the same page contents behind; the
+    same with the slots refilled in place and copied out and back."""
     g = torch.Generator().manual_seed(4)
     h, hq, d, steps = 2, 8, 32, 4
     prompts = {"a": 600, "b": 1000, "c": 777}
-    layout = make_layout()
+    layout = make_layout(block_size=block_size)
     method, rope = layout.method, rope_for()
     lengths = {r: p + 2 * steps for r, p in prompts.items()}
     needed = {r: layout.blocks_needed(p, lengths[r]) for r, p in prompts.items()}

@@ -228,9 +228,9 @@ def _keys(rows: torch.Tensor, b: torch.Tensor, positions: torch.Tensor, cos_sin:
 
 
 def rebuild_keys(a, a_rows, a_positions, a_start, b, slot_chunks, miss_slots, miss_count, rope,
-                 slot_k):
+                 slot_k, slot_index=None):
     batch, h_kv, k = slot_chunks.shape
-    c = slot_k.shape[2] // k
+    c = slot_k.shape[1] if slot_index is not None else slot_k.shape[2] // k
     width = int(miss_count.max()) if miss_count.numel() else 0
     if width == 0:
         return
@@ -247,6 +247,11 @@ def rebuild_keys(a, a_rows, a_positions, a_start, b, slot_chunks, miss_slots, mi
                  rope.is_neox_style, native_bf16_gemm(), slot_k.dtype)
     # Whole chunks of c rows (8x fewer, longer copies than row by row).
     picked = valid.flatten().nonzero().squeeze(1)  # (a boolean index of keys cost 1.3x)
+    if slot_index is not None:  # chunks of the pages
+        dest = slot_index.gather(-1, slots).flatten().index_select(0, picked)
+        copy_rows(slot_k.view(len(slot_k), -1), dest, keys.reshape(len(valid.flatten()), -1),
+                  picked)
+        return
     _write_slots(slot_k.unflatten(2, (k, c)), slots, picked, keys.reshape(-1, c, keys.shape[-1]),
                  picked)
 

@@ -14,6 +14,11 @@ padded [B, h_kv, ...] tensors. Each `decode_step`:
      tokens, merging the three by log-sum-exp.
 Slots start empty: the first step rebuilds every selected chunk (the authors' accuracy path; the
 efficient path primes them with exact prefill keys).
+
+In the engine's CPU step the slots are refilled where they lie in the pages (``InPlace``): the
+rebuilt keys and fetched values are written once, straight into their pages, and the attention
+then reads the exact region, the slots and the generated tokens in one gather and one call
+(copying the slots out before the refill and back after cost 2 copies of every refilled row).
 """
 
 import math
@@ -43,6 +48,26 @@ def _pad_stack(tensors: Sequence[torch.Tensor], dim: int) -> torch.Tensor:
 
 def _starts(counts: list[int], device) -> torch.Tensor:
     return torch.tensor([0] + counts[:-1], device=device).cumsum(0).to(torch.int32)
+
+
+@dataclass(frozen=True)
+class InPlace:
+    """Where a batch's attended K/V and slots lie in the engine's pages (a layer's cache)."""
+
+    rows: torch.Tensor  # [N, d] the layer's pages as rows
+    k_rows: torch.Tensor  # [B, h_kv, E + k*c + G] int64 rows of the attended keys, in order:
+    v_rows: torch.Tensor  # exact region (E), slots, generated tokens (the step's own included)
+    exact_width: int  # E
+    slot_k: torch.Tensor  # [B, h_kv, k] int64 chunk of ``rows`` viewed [N / c, c, d]
+    slot_v: torch.Tensor  # holding each slot's keys / values
+
+    def chunks(self, c: int) -> torch.Tensor:
+        return self.rows[: len(self.rows) // c * c].view(-1, c, self.rows.shape[1])
+
+    def attended(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The attended keys and values, [B, h_kv, W, d] each: one gather (after the refill)."""
+        return tuple(torch.index_select(self.rows, 0, rows.flatten()).view(
+            *rows.shape, self.rows.shape[1]) for rows in (self.k_rows, self.v_rows))
 
 
 @dataclass
@@ -75,6 +100,9 @@ class DecodeBatch:
     # (over [B, h_kv, k]) they filled, the only slots whose pages need writing.
     step_misses: list[int] = field(default_factory=list)
     step_filled: torch.Tensor | None = None
+    # In the pages (then exact_*, slot_* and gen_* are views of one gather, made by decode_step
+    # after the refill; gen_len counts the tokens before the step, already in the pages).
+    in_place: InPlace | None = None
 
     @classmethod
     def build(cls, prompts: Sequence[CompressedPrompt], store_keys: Sequence[Hashable],
@@ -162,19 +190,30 @@ class DecodeBatch:
         heads, chunks = self._missed_rows(miss_slots, miss_count)
         if heads.numel() == 0:
             return
+        c, pages = self.params.chunk_size, self.in_place
+        if pages is not None:
+            ops.rebuild_keys(self.a, self.a_rows, self.a_positions, self.a_start, self.b,
+                             self.slot_chunks, miss_slots, miss_count, self.rope,
+                             pages.chunks(c), pages.slot_k)
+            store.gather_many(self.store_keys, heads, chunks, self.step_misses, pages.chunks(c),
+                              pages.slot_v.flatten().index_select(0, self.step_filled))
+            return
         ops.rebuild_keys(self.a, self.a_rows, self.a_positions, self.a_start, self.b,
                          self.slot_chunks, miss_slots, miss_count, self.rope, self.slot_k)
         if ops.compiled_cpu(self.slot_v) and self.slot_v.is_contiguous():
             # On the CPU the store's rows go straight into their slots (no staging copy):
             # step_filled lists the slots in the (b, h, miss) order of heads and chunks.
             store.gather_many(self.store_keys, heads, chunks, self.step_misses,
-                              self.slot_v.view(-1, self.params.chunk_size, self.slot_v.shape[-1]),
-                              self.step_filled)
+                              self.slot_v.view(-1, c, self.slot_v.shape[-1]), self.step_filled)
             return
         staging = self._fetch_values(heads, chunks, self.step_misses, store)
         flat = miss_count.flatten()
         staging_start = (flat.cumsum(0) - flat).view_as(miss_count).to(torch.int32)
         ops.scatter_values(staging, staging_start, miss_slots, miss_count, self.slot_v)
+
+
+def _split(t: torch.Tensor, exact: int, slots: int):
+    return t[:, :, :exact], t[:, :, exact:exact + slots], t[:, :, exact + slots:]
 
 
 def decode_step(
@@ -192,18 +231,30 @@ def decode_step(
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     s_q, c = q.shape[1], batch.params.chunk_size
     gen_before = batch.gen_len.clone()
-    batch._append_generated(k_new, v_new)
+    if batch.in_place is None:
+        batch._append_generated(k_new, v_new)
+    else:  # the step's K/V are in the pages already
+        batch.gen_len, batch.gen_width = batch.gen_len + s_q, batch.gen_width + s_q
     batch.step_misses, batch.step_filled = [0] * q.shape[0], None
     if batch.max_landmarks > 0:
         batch._refresh_slots(q, store)
 
     device = q.device
+    if batch.in_place is not None:
+        keys, values = batch.in_place.attended()
+        bounds = (batch.in_place.exact_width, batch.slot_chunks.shape[-1] * c)
+        batch.exact_k, batch.slot_k, batch.gen_k = _split(keys, *bounds)
+        batch.exact_v, batch.slot_v, batch.gen_v = _split(values, *bounds)
     exact_mask = (torch.arange(batch.exact_k.shape[2], device=device)
                   < batch.exact_len.view(-1, 1)).view(-1, 1, 1, batch.exact_k.shape[2])
     slot_mask = (batch.slot_chunks >= 0).repeat_interleave(c, dim=-1).unsqueeze(2)
-    gen_width = batch.gen_width
+    gen_width = batch.gen_width if batch.in_place is None else batch.gen_k.shape[2]
     visible = gen_before.view(-1, 1) + torch.arange(1, s_q + 1, device=device)  # [B, s_q]
     gen_mask = (torch.arange(gen_width, device=device) < visible.unsqueeze(-1)).unsqueeze(1)
+    if batch.in_place is not None:  # one call over the one gather
+        masks = [m.expand(-1, slot_mask.shape[1], s_q, -1)
+                 for m in (exact_mask, slot_mask, gen_mask)]
+        return attention_with_lse(q, keys, values, torch.cat(masks, dim=-1), scale)
     parts = [
         attention_with_lse(q, batch.exact_k, batch.exact_v, exact_mask, scale),
         attention_with_lse(q, batch.gen_k[:, :, :gen_width], batch.gen_v[:, :, :gen_width],

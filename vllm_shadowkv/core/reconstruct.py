@@ -28,6 +28,7 @@ def rebuild_keys(
     miss_count: torch.Tensor,
     rope: RopeCache,
     slot_k: torch.Tensor,
+    slot_index: torch.Tensor | None = None,
 ) -> None:
     """slot_k[b, h, s*c:(s+1)*c] = RoPE(A[rows of chunk slot_chunks[b, h, s]] @ B[b, h]) for each
     missed slot s.
@@ -35,10 +36,11 @@ def rebuild_keys(
     Request b's token t is pool row a_start[b] + t, held in row a_rows[pool row] of a [NA, r]
     (any strides: in the engine, rows of pages); a_rows [TA] int64; a_positions [TA] int32; b
     [B, h_kv, r, d]; slot_chunks/miss_slots [B, h_kv, k] int32; miss_count [B, h_kv];
-    slot_k [B, h_kv, k*c, d].
+    slot_k [B, h_kv, k*c, d]. With ``slot_index`` [B, h_kv, k] int64, slot_k is ``[N, c, d]``
+    chunks (in the engine: of the layer's pages) and slot (b, h, s) is chunk slot_index[b, h, s].
     """
     batch, h_kv, k = slot_chunks.shape
-    c = slot_k.shape[2] // k
+    c = slot_k.shape[1] if slot_index is not None else slot_k.shape[2] // k
     width = int(miss_count.max()) if miss_count.numel() else 0
     if width == 0:
         return
@@ -50,6 +52,10 @@ def rebuild_keys(
     keys_pre = torch.matmul(a[a_rows[rows]].float(), b.float())  # [B, h, w*c, d]
     keys = apply_rope(keys_pre.reshape(-1, 1, keys_pre.shape[-1]),
                       a_positions[rows.flatten()], rope)
+    if slot_index is not None:
+        chunk_keys = keys.view(*valid.shape, c, keys.shape[-1])
+        slot_k[slot_index.gather(-1, slots)[valid]] = chunk_keys[valid].to(slot_k.dtype)
+        return
     dest = (slots.unsqueeze(-1) * c + offsets).flatten(2)  # [B, h, w*c]
     keep = valid.unsqueeze(-1).expand(-1, -1, -1, c).flatten(2)
     bi, hi, _ = torch.meshgrid(*(torch.arange(n, device=a.device) for n in dest.shape),

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from vllm_shadowkv.backend.exact_attention import causal_attention, exact_view
-from vllm_shadowkv.core import transfer
+from vllm_shadowkv.core import ops, transfer
 from vllm_shadowkv.core.compress import compress_prompt
 from vllm_shadowkv.core.decode import decode_step
 from vllm_shadowkv.core.fidelity import attended_chunks, chunk_attention_mass, measure_fidelity
@@ -18,7 +18,7 @@ from vllm_shadowkv.methods.shadowkv.settings import ShadowKVSettings
 from vllm_shadowkv.store import paged_bytes
 
 
-@dataclass(frozen=True)
+@dataclass
 class StepRows:
     """Where one step's decoding requests are, built once per step (``_step_rows``)."""
 
@@ -29,6 +29,7 @@ class StepRows:
     gen_len: torch.Tensor  # [B] counts
     blocks: torch.Tensor  # [B, G] page of each generated token (padded)
     within: torch.Tensor  # [B, G] its slot in the page
+    gen_rows: torch.Tensor | None = None  # (``_generated_rows``)
 
 
 class ShadowKVMethod(KVMethod):
@@ -99,8 +100,9 @@ class ShadowKVMethod(KVMethod):
         n = len(reqs)
         plan = self._batch_plan(layer, reqs)
         step = self._step_rows(layer, reqs, s_q)
-        gen_k, gen_v = self._generated(layer, step, s_q)
-        batch, outliers = self.pages.load_batch(layer.kv_cache, plan, layer.rope, gen_k, gen_v,
+        in_place = self.pages.slots_in_place and ops.compiled_cpu(layer.kv_cache)
+        generated = self._generated_rows(layer, step) if in_place else self._generated(layer, step)
+        batch, outliers = self.pages.load_batch(layer.kv_cache, plan, layer.rope, generated,
                                                 step.gen_len, max(step.counts))
         batch.store_keys = [(r.req_id, layer.index) for r in reqs]
         q, k, v = (t[step.rows].unflatten(0, (n, s_q)) for t in (query, key, value))
@@ -160,9 +162,10 @@ class ShadowKVMethod(KVMethod):
         pages = []
         for r, n in zip(reqs, counts):  # slices of the block table rows: no copies, no syncs
             first = layout.exact_blocks(r.prompt_len) + layout.region_blocks(r.prompt_len)
-            pages.append(r.block_ids[first: first + max(1, -(-n // per_page))])
+            pages.append(r.block_ids[first: first + -(-(n + s_q) // per_page)])
         table = torch.nn.utils.rnn.pad_sequence(pages, batch_first=True).long()
-        rel = torch.arange(max(counts), device=device).expand(len(reqs), -1)
+        # The step's own tokens too: the backend wrote them to their pages before the step.
+        rel = torch.arange(max(counts) + s_q, device=device).expand(len(reqs), -1)
         rows = torch.tensor([i for r in reqs for i in range(r.start, r.end)], dtype=torch.long)
         self._step = StepRows(
             step=layer.step, key=key, counts=counts,
@@ -172,12 +175,23 @@ class ShadowKVMethod(KVMethod):
             within=rel % per_page)
         return self._step
 
-    def _generated(self, layer: LayerContext, step: StepRows, s_q: int):
-        """The exact K/V of each request's generated tokens before this step, [B, h, G + s_q, d]
-        (room for the step's own)."""
+    def _generated(self, layer: LayerContext, step: StepRows):
+        """The exact K/V of each request's generated tokens, the step's own last,
+        [B, h, G + s_q, d] each (copies)."""
         kv = exact_view(layer.kv_cache, layer.layout)[step.blocks, step.within]  # [B, G, 2, h, d]
-        gen = torch.nn.functional.pad(kv.permute(2, 0, 3, 1, 4), (0, 0, 0, s_q))
+        gen = kv.permute(2, 0, 3, 1, 4)
         return gen[0], gen[1]
+
+    def _generated_rows(self, layer: LayerContext, step: StepRows) -> torch.Tensor:
+        """The rows of the same K/V in the layer cache viewed ``[N, d]``, [2, B, h, G + s_q]
+        (every layer's the same: built in the step's first)."""
+        if step.gen_rows is None:
+            pages = exact_view(layer.kv_cache, layer.layout)
+            s_page, s_token, s_kv, s_head = (s // pages.shape[-1] for s in pages.stride()[:4])
+            token = step.blocks * s_page + step.within * s_token  # [B, G]
+            heads = torch.arange(pages.shape[3], device=token.device).view(1, -1, 1) * s_head
+            step.gen_rows = torch.stack([token.unsqueeze(1) + heads + kv * s_kv for kv in (0, 1)])
+        return step.gen_rows
 
     def _record_fidelity(self, layer: LayerContext, req: RequestRows, reference, outliers,
                          slot_chunks, gen_k, gen_v, query, out, stats, top: int = 8) -> None:

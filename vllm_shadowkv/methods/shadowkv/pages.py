@@ -15,8 +15,11 @@ pages and every row is addressed as (page, row in page).
 
 Every row is addressed by its element offset in the flat layer cache. Decode reads the rows of
 every request of the step with one ``index_select`` per field (the offsets: ``RequestPlan`` and
-``BatchPlan``, built once per request and batch, shared by all layers) and writes back only the
-slots whose chunk changed.
+``BatchPlan``, built once per request and batch, shared by all layers). On the CPU, where each
+slot chunk's rows lie together in a page (``slots_in_place``), the step writes the rebuilt keys
+and fetched values of the slots whose chunk changed straight into their pages, then gathers the
+exact region, the slots and the generated tokens for one attention call; elsewhere it copies
+them out first and writes the changed slots back after.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import torch
 
 from vllm_shadowkv.core import ops, transfer
 from vllm_shadowkv.core.compress import CompressedPrompt
-from vllm_shadowkv.core.decode import DecodeBatch
+from vllm_shadowkv.core.decode import DecodeBatch, InPlace
 from vllm_shadowkv.methods.base import KVShapes
 from vllm_shadowkv.methods.shadowkv.settings import ShadowKVSettings
 
@@ -90,6 +93,12 @@ class BatchPlan:
     outliers: torch.Tensor  # [B, h*o]
     slot_chunks: torch.Tensor  # [B, h*k]
 
+    # Where the slots are refilled in place (``ShadowKVPages.slots_in_place``), else None:
+    attended_k: torch.Tensor | None = None  # [B, h, E_max + k*c] rows: exact region, slots
+    attended_v: torch.Tensor | None = None
+    slot_k_chunks: torch.Tensor | None = None  # [B, h, k] chunk (of c rows) of each slot
+    slot_v_chunks: torch.Tensor | None = None
+
 
 @dataclass(frozen=True)
 class ShadowKVPages:
@@ -119,6 +128,14 @@ class ShadowKVPages:
         return rows
 
     @property
+    def slots_in_place(self) -> bool:
+        """Whether every slot chunk's ``c`` rows lie together in one page, at a multiple of
+        ``c`` rows from the layer's first row (rows tile the pages, ``c`` divides a page's rows
+        and the slot fields start on a chunk): the CPU step then refills them in place."""
+        rows, c = self.rows_per_page, self.settings.chunk_size
+        return self.page_bytes == rows * self.row_bytes and rows % c == 0
+
+    @property
     def ints_per_row(self) -> int:
         return self.row_bytes // 4
 
@@ -141,6 +158,8 @@ class ShadowKVPages:
                  "outliers": -(-h * o // ipr), "slot_chunks": -(-h * k // ipr)}
         first, at = {}, 0
         for name, rows in sizes.items():
+            if name in ("slot_k", "slot_v"):  # whole chunks of rows: refilled in place
+                at = -(-at // c) * c
             first[name] = at
             at += rows
         return StateLayout(num_outliers=o, exact_tokens=exact, num_slots=k, rows=at, **first)
@@ -257,7 +276,17 @@ class ShadowKVPages:
             b=stack("b"), exact_k=padded_exact("exact_k"), exact_v=padded_exact("exact_v"),
             exact_len=torch.tensor([p.exact_tokens for p in plans], device=device),
             slot_k=stack("slot_k"), slot_v=stack("slot_v"),
-            outliers=stack("outliers"), slot_chunks=stack("slot_chunks"))
+            outliers=stack("outliers"), slot_chunks=stack("slot_chunks"),
+            **(self._in_place_rows(padded_exact, stack) if self.slots_in_place else {}))
+
+    def _in_place_rows(self, padded_exact, stack) -> dict[str, torch.Tensor]:
+        h, d, c = self.shapes.num_kv_heads, self.shapes.head_size, self.settings.chunk_size
+        fields = {}
+        for kv in ("k", "v"):
+            slots = stack(f"slot_{kv}").view(-1, h, self.settings.params.select_chunks * c) // d
+            fields[f"attended_{kv}"] = torch.cat([padded_exact(f"exact_{kv}") // d, slots], -1)
+            fields[f"slot_{kv}_chunks"] = slots[..., ::c] // c
+        return fields
 
     # -- page I/O -----------------------------------------------------------------------------
     def write_compressed(self, kv_cache: torch.Tensor, region_ids: torch.Tensor,
@@ -284,17 +313,33 @@ class ShadowKVPages:
         ids[plan.slot_chunks] = -1
 
     def load_batch(self, kv_cache: torch.Tensor, plan: BatchPlan, rope,
-                   gen_k: torch.Tensor, gen_v: torch.Tensor, gen_len: torch.Tensor,
-                   gen_width: int) -> tuple[DecodeBatch, torch.Tensor]:
-        """The batch's state read from its pages, as the core's ``DecodeBatch`` (copies of the
-        rows; the slots are written back by ``store_slots``), and its outlier ids [B, h, o].
-        gen_k/gen_v ``[B, h, capacity, d]``: each request's generated tokens so far, ``gen_len``
-        their counts and ``gen_width`` the largest (a host int)."""
+                   generated: tuple[torch.Tensor, torch.Tensor] | torch.Tensor,
+                   gen_len: torch.Tensor, gen_width: int) -> tuple[DecodeBatch, torch.Tensor]:
+        """The batch's state in its pages, as the core's ``DecodeBatch``, and its outlier ids
+        [B, h, o]. ``gen_len``: each request's generated tokens before the step, ``gen_width``
+        the largest (a host int). ``generated`` is either their K/V ``[B, h, capacity, d]``
+        (then the exact region and the slots are copied out here, and ``store_slots`` writes
+        the refilled slots back) or, where ``slots_in_place`` on the CPU, the rows of their K
+        and V ``[2, B, h, G + s_q]`` (the step's own last): the step refills the slots in their
+        pages and gathers what it attends after."""
         params, h, d = self.settings.params, self.shapes.num_kv_heads, self.shapes.head_size
         batch, c, k = len(plan.req_ids), params.chunk_size, params.select_chunks
         ids = self.ids(kv_cache)
         outliers = ids[plan.outliers].view(batch, h, -1)
         landmark_chunks = _selectable_chunk_ids(outliers, plan)
+        if isinstance(generated, torch.Tensor):
+            state = dict.fromkeys(("exact_k", "exact_v", "slot_k", "slot_v", "gen_k", "gen_v"))
+            state["in_place"] = InPlace(
+                kv_cache.view(-1, d), torch.cat([plan.attended_k, generated[0]], -1),
+                torch.cat([plan.attended_v, generated[1]], -1), plan.exact_k.shape[-1],
+                plan.slot_k_chunks, plan.slot_v_chunks)
+        else:
+            state = dict(
+                exact_k=self.read_rows(kv_cache, plan.exact_k),
+                exact_v=self.read_rows(kv_cache, plan.exact_v),
+                slot_k=self.read_rows(kv_cache, plan.slot_k).view(batch, h, k * c, d),
+                slot_v=self.read_rows(kv_cache, plan.slot_v).view(batch, h, k * c, d),
+                gen_k=generated[0], gen_v=generated[1])
         return DecodeBatch(
             params=params, rope=rope.to(kv_cache.device), store_keys=[],
             a=self.a_view(kv_cache), a_rows=plan.a_rows, a_positions=plan.a_positions,
@@ -302,13 +347,9 @@ class ShadowKVPages:
             b=self.read_rows(kv_cache, plan.b).view(batch, h, params.rank, d),
             landmarks=self.landmark_view(kv_cache), lm_rows=plan.landmark_rows,
             landmark_chunks=landmark_chunks, lm_start=plan.lm_start, lm_count=plan.lm_count,
-            max_landmarks=plan.max_landmarks,
-            exact_k=self.read_rows(kv_cache, plan.exact_k),
-            exact_v=self.read_rows(kv_cache, plan.exact_v), exact_len=plan.exact_len,
-            slot_chunks=ids[plan.slot_chunks].view(batch, h, k),
-            slot_k=self.read_rows(kv_cache, plan.slot_k).view(batch, h, k * c, d),
-            slot_v=self.read_rows(kv_cache, plan.slot_v).view(batch, h, k * c, d),
-            gen_k=gen_k, gen_v=gen_v, gen_len=gen_len, gen_width=gen_width,
+            max_landmarks=plan.max_landmarks, exact_len=plan.exact_len,
+            slot_chunks=ids[plan.slot_chunks].view(batch, h, k), gen_len=gen_len,
+            gen_width=gen_width, **state,
         ), outliers
 
     def store_slots(self, kv_cache: torch.Tensor, plan: BatchPlan, batch: DecodeBatch) -> None:
@@ -317,7 +358,8 @@ class ShadowKVPages:
         n, h, k = batch.slot_chunks.shape
         c, d = self.settings.chunk_size, self.shapes.head_size
         self.ids(kv_cache)[plan.slot_chunks] = batch.slot_chunks.view(n, -1)
-        if batch.step_filled is None or batch.step_filled.numel() == 0:
+        if batch.in_place is not None or batch.step_filled is None \
+                or batch.step_filled.numel() == 0:
             return
         slots = transfer.to_device_async(batch.step_filled, kv_cache.device)
         rows = (slots.unsqueeze(1) * c + torch.arange(c, device=slots.device)).flatten()
