@@ -96,7 +96,8 @@ STAGES = (
     (exact_attention, "write_exact", "the step's K/V into its generated-token page"),
     (ShadowKVMethod, "_step_rows", "the step's query rows and generated tokens' pages"),
     (ShadowKVMethod, "_generated", "read the generated tokens' K/V from their pages"),
-    (ShadowKVPages, "load_batch", "gather B, landmarks, exact region, slots from pages"),
+    (ShadowKVMethod, "_generated_rows", "where the generated tokens' K/V are in the pages"),
+    (ShadowKVPages, "load_batch", "B and ids from pages (exact region, slots: unless in place)"),
     (core_decode.DecodeBatch, "_append_generated", "append the step's K/V"),
     (core_ops, "landmark_scores", "score every selectable chunk's landmark"),
     (core_ops, "select_chunks", "top-k chunks per KV head"),
@@ -105,6 +106,8 @@ STAGES = (
     (core_ops, "rebuild_keys", "missed keys: A rows x B + RoPE"),
     (core_decode.DecodeBatch, "_fetch_values", "missed values gathered from the store"),
     (core_ops, "scatter_values", "missed values into their slots"),
+    (CpuValueStore, "gather_many", "missed values from the store (into their slots)"),
+    (core_decode.InPlace, "attended", "gather exact region, slots, generated from pages"),
     (core_decode, "attention_with_lse", "attention: exact region, generated, slots"),
     (core_decode, "merge_attention", "merge the three by log-sum-exp"),
     (ShadowKVPages, "store_slots", "write the refilled slots back to the pages"))
