@@ -247,13 +247,8 @@ def rebuild_keys(a, a_rows, a_positions, a_start, b, slot_chunks, miss_slots, mi
                  rope.is_neox_style, native_bf16_gemm(), slot_k.dtype)
     # Whole chunks of c rows (8x fewer, longer copies than row by row).
     picked = valid.flatten().nonzero().squeeze(1)  # (a boolean index of keys cost 1.3x)
-    if slot_index is not None:  # chunks of the pages
-        dest = slot_index.gather(-1, slots).flatten().index_select(0, picked)
-        copy_rows(slot_k.view(len(slot_k), -1), dest, keys.reshape(len(valid.flatten()), -1),
-                  picked)
-        return
-    _write_slots(slot_k.unflatten(2, (k, c)), slots, picked, keys.reshape(-1, c, keys.shape[-1]),
-                 picked)
+    _write_slots(slot_k if slot_index is not None else slot_k.unflatten(2, (k, c)), slots,
+                 picked, keys.reshape(-1, c, keys.shape[-1]), picked, slot_index)
 
 
 def scatter_values(staging, staging_start, miss_slots, miss_count, slot_v):
@@ -273,19 +268,24 @@ def scatter_values(staging, staging_start, miss_slots, miss_count, slot_v):
 
 
 def _write_slots(slots: torch.Tensor, dest: torch.Tensor, picked: torch.Tensor,
-                 src: torch.Tensor, src_index: torch.Tensor | None) -> None:
+                 src: torch.Tensor, src_index: torch.Tensor | None,
+                 slot_index: torch.Tensor | None = None) -> None:
     """Rows of ``src`` [M, ...] (``src_index`` [n] of them, else the first n) into ``slots``
     [B, h, S, ...]: row i at position ``dest[b, h, w]`` of the entry ``picked[i]`` (flat index
-    into ``dest`` [B, h, W]). Contiguous slots (the engine's) take one ``copy_rows`` into their
-    flat rows: advanced indexing on both sides cost 2.5x."""
-    batch, h_kv, width = slots.shape[:3]
-    if not slots.is_contiguous():
+    into ``dest`` [B, h, W]); with ``slot_index`` [B, h, S], ``slots`` is [N, ...] and position
+    s of (b, h) is its row ``slot_index[b, h, s]`` (the pages). Contiguous slots (the engine's)
+    take one ``copy_rows`` into their flat rows: advanced indexing on both sides cost 2.5x."""
+    if slot_index is None and not slots.is_contiguous():
         rows = src if src_index is None else src.index_select(0, src_index)
         bi, hi, wi = torch.unravel_index(picked, dest.shape)
         slots[bi, hi, dest[bi, hi, wi]] = rows.to(slots.dtype)
         return
-    flat_dest = dest + torch.arange(batch * h_kv).view(batch, h_kv, 1) * width
-    copy_rows(slots.view(batch * h_kv * width, -1), flat_dest.flatten().index_select(0, picked),
+    if slot_index is None:  # the slots' own flat rows
+        batch, h_kv, width = slots.shape[:3]
+        slots = slots.view(batch * h_kv * width, *slots.shape[3:])
+        slot_index = torch.arange(len(slots)).view(batch, h_kv, width)
+    rows = slot_index.gather(-1, dest.clamp_min(0))  # (entries not picked may be -1)
+    copy_rows(slots.view(len(slots), -1), rows.flatten().index_select(0, picked),
               src.reshape(src.shape[0], -1), src_index)
 
 

@@ -191,20 +191,20 @@ class DecodeBatch:
         if heads.numel() == 0:
             return
         c, pages = self.params.chunk_size, self.in_place
-        if pages is not None:
-            ops.rebuild_keys(self.a, self.a_rows, self.a_positions, self.a_start, self.b,
-                             self.slot_chunks, miss_slots, miss_count, self.rope,
-                             pages.chunks(c), pages.slot_k)
-            store.gather_many(self.store_keys, heads, chunks, self.step_misses, pages.chunks(c),
-                              pages.slot_v.flatten().index_select(0, self.step_filled))
-            return
+        # On the CPU the store's rows go straight into their slots (no staging copy):
+        # step_filled lists the slots in the (b, h, miss) order of heads and chunks.
+        if pages is not None:  # slots are chunks of the pages
+            key_slots, key_index = pages.chunks(c), pages.slot_k
+            value_slots = key_slots, pages.slot_v.flatten().index_select(0, self.step_filled)
+        else:
+            key_slots, key_index, value_slots = self.slot_k, None, None
+            if ops.compiled_cpu(self.slot_v) and self.slot_v.is_contiguous():
+                value_slots = self.slot_v.view(-1, c, self.slot_v.shape[-1]), self.step_filled
         ops.rebuild_keys(self.a, self.a_rows, self.a_positions, self.a_start, self.b,
-                         self.slot_chunks, miss_slots, miss_count, self.rope, self.slot_k)
-        if ops.compiled_cpu(self.slot_v) and self.slot_v.is_contiguous():
-            # On the CPU the store's rows go straight into their slots (no staging copy):
-            # step_filled lists the slots in the (b, h, miss) order of heads and chunks.
-            store.gather_many(self.store_keys, heads, chunks, self.step_misses,
-                              self.slot_v.view(-1, c, self.slot_v.shape[-1]), self.step_filled)
+                         self.slot_chunks, miss_slots, miss_count, self.rope, key_slots,
+                         key_index)
+        if value_slots is not None:
+            store.gather_many(self.store_keys, heads, chunks, self.step_misses, *value_slots)
             return
         staging = self._fetch_values(heads, chunks, self.step_misses, store)
         flat = miss_count.flatten()
@@ -248,7 +248,7 @@ def decode_step(
     exact_mask = (torch.arange(batch.exact_k.shape[2], device=device)
                   < batch.exact_len.view(-1, 1)).view(-1, 1, 1, batch.exact_k.shape[2])
     slot_mask = (batch.slot_chunks >= 0).repeat_interleave(c, dim=-1).unsqueeze(2)
-    gen_width = batch.gen_width if batch.in_place is None else batch.gen_k.shape[2]
+    gen_width = batch.gen_width
     visible = gen_before.view(-1, 1) + torch.arange(1, s_q + 1, device=device)  # [B, s_q]
     gen_mask = (torch.arange(gen_width, device=device) < visible.unsqueeze(-1)).unsqueeze(1)
     if batch.in_place is not None:  # one call over the one gather

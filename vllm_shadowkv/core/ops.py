@@ -92,7 +92,7 @@ def channel_scores_paged(q, pool, page_offset, page_start, channels, prompt_len,
 
 def rebuild_keys(a, a_rows, a_positions, a_start, b, slot_chunks, miss_slots, miss_count, rope,
                  slot_k, slot_index=None):
-    if slot_index is not None:  # slots written where they lie in the pages: the CPU step's
+    if slot_index is not None:  # slots where they lie in the pages: the CPU step's only
         impl = cpu_kernels if compiled_cpu(slot_k) else reconstruct
         impl.rebuild_keys(a, a_rows, a_positions, a_start, b, slot_chunks, miss_slots,
                           miss_count, rope, slot_k, slot_index)
