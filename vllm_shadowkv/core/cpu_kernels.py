@@ -280,11 +280,12 @@ def _write_slots(slots: torch.Tensor, dest: torch.Tensor, picked: torch.Tensor,
         bi, hi, wi = torch.unravel_index(picked, dest.shape)
         slots[bi, hi, dest[bi, hi, wi]] = rows.to(slots.dtype)
         return
-    if slot_index is None:  # the slots' own flat rows
+    if slot_index is None:  # the slots' own flat rows, by arithmetic
         batch, h_kv, width = slots.shape[:3]
         slots = slots.view(batch * h_kv * width, *slots.shape[3:])
-        slot_index = torch.arange(len(slots)).view(batch, h_kv, width)
-    rows = slot_index.gather(-1, dest.clamp_min(0))  # (entries not picked may be -1)
+        rows = dest + torch.arange(batch * h_kv, device=dest.device).view(batch, h_kv, 1) * width
+    else:
+        rows = slot_index.gather(-1, dest.clamp_min(0))  # (entries not picked may be -1)
     copy_rows(slots.view(len(slots), -1), rows.flatten().index_select(0, picked),
               src.reshape(src.shape[0], -1), src_index)
 
