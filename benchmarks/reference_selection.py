@@ -49,7 +49,6 @@ from vllm_shadowkv import models
 from vllm_shadowkv.core.heavy_hitters import layer_budgets
 from vllm_shadowkv.eval import backends, tasks
 from vllm_shadowkv.eval.run import prompt_ids
-from vllm_shadowkv.eval.tasks import string_match_all
 from vllm_shadowkv.methods.shadowkv.settings import ShadowKVSettings
 from vllm_shadowkv.methods.specache.settings import SpeCacheSettings
 from vllm_shadowkv.methods.tailorkv.settings import TailorKVSettings
@@ -204,9 +203,9 @@ class LowBitFetch(Selection):
     def substitute(self, layer: int, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                    scale: float) -> tuple[torch.Tensor, torch.Tensor]:
         low_keys, low_values, n = self.state[layer]
-        length = low_keys.shape[1]
-        mixed_keys, mixed_values = keys.clone(), values.clone()  # generated tokens stay exact
-        mixed_keys[:, :length], mixed_values[:, :length] = low_keys, low_values
+        length = low_keys.shape[1]  # the prompt; the generated tokens after it stay exact
+        mixed_keys = torch.cat([low_keys, keys[:, length:]], dim=1)
+        mixed_values = torch.cat([low_values, values[:, length:]], dim=1)
         if not n or not self.settings.top_k:
             return mixed_keys, mixed_values
         probs = (q[:, :, 0] @ mixed_keys.transpose(1, 2) * scale).softmax(-1)  # [h_kv, G, L]
@@ -306,8 +305,8 @@ def compare(rows: list[dict], records: list[dict], tokenizer, tokens: int) -> No
         row["engine_backends_same_text"] = [
             r["backend"] for r in mine if r["prediction"][:len(row["prediction"])].strip() == text]
         row["engine_scores"] = {
-            r["backend"]: string_match_all(tokenizer.decode(r["output_token_ids"][:tokens]),
-                                           row["answers"]) for r in mine}
+            r["backend"]: tasks.string_match_all(tokenizer.decode(r["output_token_ids"][:tokens]),
+                                                 row["answers"]) for r in mine}
 
 
 def finished_run(path: Path) -> dict:
