@@ -193,9 +193,11 @@ def test_rebuild_keys(head_dim, dtype, rope_kind, layout, impl, kernel_device):
     assert torch.equal(got[stale], base[stale])  # slots that did not miss are left alone
     if impl != "cpu":
         return
-    # The engine's CPU step: slots are chunks of pages, anywhere ([N, c, d], slot_index).
-    slot_index = torch.randperm(2 * batch * h_kv * k)[:batch * h_kv * k].view(batch, h_kv, k)
-    pages = torch.randn(2 * batch * h_kv * k, c, head_dim).to(dtype)
+    # The engine's CPU step: slots are rows of the pages, anywhere ([N, d], slot_index
+    # [B, h, k, c]: a chunk's rows need not follow each other, as where it straddles two pages).
+    n_rows = 2 * batch * h_kv * k * c
+    slot_index = torch.randperm(n_rows)[:batch * h_kv * k * c].view(batch, h_kv, k, c)
+    pages = torch.randn(n_rows, head_dim).to(dtype)
     pages[slot_index] = base.unflatten(2, (k, c))
     got_pages, want_pages = pages.clone(), pages.clone()
     cpu_kernels.rebuild_keys(*args, got_pages, slot_index)
@@ -204,7 +206,7 @@ def test_rebuild_keys(head_dim, dtype, rope_kind, layout, impl, kernel_device):
     torch.testing.assert_close(got_pages[slot_index], got.unflatten(2, (k, c)), **tol)
     others = torch.ones(len(pages), dtype=torch.bool)
     others[slot_index.flatten()] = False
-    assert torch.equal(got_pages[others], pages[others])  # no other chunk written
+    assert torch.equal(got_pages[others], pages[others])  # no other row written
 
 
 @pytest.mark.parametrize("head_dim,dtype", [(64, torch.float32), (128, torch.bfloat16)])

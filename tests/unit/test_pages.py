@@ -1,5 +1,7 @@
 """The engine's page layout and ShadowKV's pages, through the method's hooks, without vLLM."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -62,14 +64,20 @@ def test_exact_tokens_round_trip_through_permuted_pages():
     assert len(set(zip(blocks.tolist(), slots.tolist()))) == total  # no two tokens share a slot
 
 
-# 32-token pages hold 72 state rows: the CPU step refills the slots in place; 40-token pages
-# hold 90, which no whole number of chunks fills: the slots are copied out and back.
-IN_PLACE_BLOCKS = {32: True, 40: False}
+# (block size, rank) -> whether the CPU step refills the slots in place. At rank 64 a token
+# takes 72 elements: 32-token pages hold 72 state rows of 32 (whole chunks of 8), 40-token
+# pages 90 (some chunks straddle two pages: refilled row by row all the same); at rank 61
+# 16-token pages hold 34.5 rows, which do not tile the pages: the slots are copied out and back.
+LAYOUTS = {(32, 64): True, (40, 64): True, (16, 61): False}
 
 
-@pytest.mark.parametrize("block_size", IN_PLACE_BLOCKS)
+def _layout_case(block_size, rank, settings):
+    return make_layout(block_size=block_size, settings=dataclasses.replace(settings, rank=rank))
+
+
+@pytest.mark.parametrize("block_size, rank", LAYOUTS)
 @pytest.mark.parametrize("full", [True, False])
-def test_compress_then_sparse_decode_from_pages(full, block_size):
+def test_compress_then_sparse_decode_from_pages(full, block_size, rank):
     """The paged path is the core's decode: with state kept in pages between steps it matches
     ``DecodeBatch``/``decode_step`` step by step, with the slots refilled in place or copied;
     with full rank and a budget covering the context both are dense attention."""
@@ -77,8 +85,8 @@ def test_compress_then_sparse_decode_from_pages(full, block_size):
     h, hq, d, p, gen = 2, 8, 32, 600, 3
     settings = SETTINGS if not full else ShadowKVSettings(
         rank=h * d, sparse_budget=1024, outlier_chunks=4, local_window=16, min_sparse_len=256)
-    layout = make_layout(settings=settings, block_size=block_size)
-    assert layout.method.pages.slots_in_place == IN_PLACE_BLOCKS[block_size]
+    layout = _layout_case(block_size, rank, settings)
+    assert layout.method.pages.slots_in_place == LAYOUTS[block_size, rank]
     method = layout.method
     rope = rope_for()
     total = p + gen
@@ -104,15 +112,15 @@ def test_compress_then_sparse_decode_from_pages(full, block_size):
                       out)
         core_out, _ = decode_step(batch, q[None], new_k[None], new_v[None], core_store, d ** -0.5)
         torch.testing.assert_close(out, core_out[0], atol=1e-5, rtol=1e-5)
-        if full:
+        if full and rank == h * d:
             dense, _ = attention_with_lse(q[None], k[:seq_len].transpose(0, 1)[None],
                                           v[:seq_len].transpose(0, 1)[None], None, d ** -0.5)
             torch.testing.assert_close(out, dense[0], atol=1e-4, rtol=1e-4)
     assert stats.decode_steps == gen and stats.hits > 0  # the slots persisted between steps
 
 
-@pytest.mark.parametrize("block_size", IN_PLACE_BLOCKS)
-def test_batched_decode_equals_each_request_alone(block_size):
+@pytest.mark.parametrize("block_size, rank", LAYOUTS)
+def test_batched_decode_equals_each_request_alone(block_size, rank):
     """One ``decode`` call for a ragged batch (different prompt lengths and generated counts,
     one request with two query rows, one finishing mid-way) gives every request exactly what
     it gets decoded alone in its own pages, and leaves the same page contents behind; the
@@ -120,7 +128,8 @@ def test_batched_decode_equals_each_request_alone(block_size):
     g = torch.Generator().manual_seed(4)
     h, hq, d, steps = 2, 8, 32, 4
     prompts = {"a": 600, "b": 1000, "c": 777}
-    layout = make_layout(block_size=block_size)
+    layout = _layout_case(block_size, rank, SETTINGS)
+    assert layout.method.pages.slots_in_place == LAYOUTS[block_size, rank]
     method, rope = layout.method, rope_for()
     lengths = {r: p + 2 * steps for r, p in prompts.items()}
     needed = {r: layout.blocks_needed(p, lengths[r]) for r, p in prompts.items()}

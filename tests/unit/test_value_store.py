@@ -100,7 +100,8 @@ def test_one_gather_for_many_keys_equals_a_gather_per_key():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gather_many_into_given_rows(dtype):
     """``out_rows``: row i lands at out[out_rows[i]] (the CPU decode step's slots), the other
-    rows of ``out`` untouched, the same with either store; keys over several extents."""
+    rows of ``out`` untouched, the same with either store; keys over several extents; and with
+    ``out_rows`` [n, c], each of a stored row's c token rows to a row of its own."""
     gen = torch.Generator().manual_seed(2)
     store, reference = make_store(dtype=dtype, page_rows=4), InMemoryValueStore()
     sources = {key: values(h, n, dtype) for key, (h, n) in {"a": (3, 21), "b": (2, 6)}.items()}
@@ -121,6 +122,15 @@ def test_gather_many_into_given_rows(dtype):
     assert torch.equal(reference.gather_many(keys, heads, chunks, counts, before.clone(),
                                              out_rows), expected)
     assert store.bytes_fetched == 22 * C * D * before.element_size()
+    # Token rows: each stored row's C rows to rows of their own (out [M, D]).
+    token_rows = torch.randperm(40 * C, generator=gen)[:22 * C].view(22, C)
+    flat = before.view(-1, D)
+    expected = flat.clone()
+    expected[token_rows] = torch.cat([sources[k][h, c] for k, h, c in
+                                      zip(keys, heads.split(counts), chunks.split(counts))])
+    for s in (store, reference):
+        assert torch.equal(s.gather_many(keys, heads, chunks, counts, flat.clone(), token_rows),
+                           expected)
 
 
 def test_put_accepts_a_permuted_view_and_empty_gathers():

@@ -230,7 +230,7 @@ def _keys(rows: torch.Tensor, b: torch.Tensor, positions: torch.Tensor, cos_sin:
 def rebuild_keys(a, a_rows, a_positions, a_start, b, slot_chunks, miss_slots, miss_count, rope,
                  slot_k, slot_index=None):
     batch, h_kv, k = slot_chunks.shape
-    c = slot_k.shape[1] if slot_index is not None else slot_k.shape[2] // k
+    c = slot_index.shape[-1] if slot_index is not None else slot_k.shape[2] // k
     width = int(miss_count.max()) if miss_count.numel() else 0
     if width == 0:
         return
@@ -245,7 +245,7 @@ def rebuild_keys(a, a_rows, a_positions, a_start, b, slot_chunks, miss_slots, mi
     positions = a_positions.index_select(0, flat).view(rows.shape)
     keys = _keys(a_picked, b, positions, rope.cos_sin_cache, rope.rotary_dim,
                  rope.is_neox_style, native_bf16_gemm(), slot_k.dtype)
-    # Whole chunks of c rows (8x fewer, longer copies than row by row).
+    # Slots of their own: whole chunks of c rows (8x fewer, longer copies than row by row).
     picked = valid.flatten().nonzero().squeeze(1)  # (a boolean index of keys cost 1.3x)
     _write_slots(slot_k if slot_index is not None else slot_k.unflatten(2, (k, c)), slots,
                  picked, keys.reshape(-1, c, keys.shape[-1]), picked, slot_index)
@@ -272,9 +272,10 @@ def _write_slots(slots: torch.Tensor, dest: torch.Tensor, picked: torch.Tensor,
                  slot_index: torch.Tensor | None = None) -> None:
     """Rows of ``src`` [M, ...] (``src_index`` [n] of them, else the first n) into ``slots``
     [B, h, S, ...]: row i at position ``dest[b, h, w]`` of the entry ``picked[i]`` (flat index
-    into ``dest`` [B, h, W]); with ``slot_index`` [B, h, S], ``slots`` is [N, ...] and position
-    s of (b, h) is its row ``slot_index[b, h, s]`` (the pages). Contiguous slots (the engine's)
-    take one ``copy_rows`` into their flat rows: advanced indexing on both sides cost 2.5x."""
+    into ``dest`` [B, h, W]); with ``slot_index`` [B, h, S, c], ``slots`` is [N, d] (the pages'
+    rows), src [M, c, d], and token t of position s of (b, h) is row ``slot_index[b, h, s, t]``.
+    Contiguous slots (the engine's) take one ``copy_rows`` into their flat rows: advanced
+    indexing on both sides cost 2.5x."""
     if slot_index is None and not slots.is_contiguous():
         rows = src if src_index is None else src.index_select(0, src_index)
         bi, hi, wi = torch.unravel_index(picked, dest.shape)
@@ -284,8 +285,14 @@ def _write_slots(slots: torch.Tensor, dest: torch.Tensor, picked: torch.Tensor,
         batch, h_kv, width = slots.shape[:3]
         slots = slots.view(batch * h_kv * width, *slots.shape[3:])
         rows = dest + torch.arange(batch * h_kv, device=dest.device).view(batch, h_kv, 1) * width
-    else:
-        rows = slot_index.gather(-1, dest.clamp_min(0))  # (entries not picked may be -1)
+    else:  # token rows of the pages (entries not picked may be -1)
+        c = slot_index.shape[-1]
+        rows = slot_index.gather(2, dest.clamp_min(0).unsqueeze(-1).expand(-1, -1, -1, c))
+        tokens = torch.arange(c, device=picked.device)
+        src_rows = (picked if src_index is None else src_index).unsqueeze(1) * c + tokens
+        copy_rows(slots, rows.view(-1, c).index_select(0, picked).flatten(),
+                  src.reshape(-1, slots.shape[-1]), src_rows.flatten())
+        return
     copy_rows(slots.view(len(slots), -1), rows.flatten().index_select(0, picked),
               src.reshape(src.shape[0], -1), src_index)
 

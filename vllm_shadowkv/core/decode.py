@@ -58,11 +58,8 @@ class InPlace:
     k_rows: torch.Tensor  # [B, h_kv, E + k*c + G] int64 rows of the attended keys, in order:
     v_rows: torch.Tensor  # exact region (E), slots, generated tokens (the step's own included)
     exact_width: int  # E
-    slot_k: torch.Tensor  # [B, h_kv, k] int64 chunk of ``rows`` viewed [N / c, c, d]
-    slot_v: torch.Tensor  # holding each slot's keys / values
-
-    def chunks(self, c: int) -> torch.Tensor:
-        return self.rows[: len(self.rows) // c * c].view(-1, c, self.rows.shape[1])
+    slot_k: torch.Tensor  # [B, h_kv, k, c] int64 rows of ``rows`` holding each slot's
+    slot_v: torch.Tensor  # keys / values, token by token (a chunk may straddle two pages)
 
     def attended(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The attended keys and values, [B, h_kv, W, d] each: one gather (after the refill)."""
@@ -193,9 +190,9 @@ class DecodeBatch:
         c, pages = self.params.chunk_size, self.in_place
         # On the CPU the store's rows go straight into their slots (no staging copy):
         # step_filled lists the slots in the (b, h, miss) order of heads and chunks.
-        if pages is not None:  # slots are chunks of the pages
-            key_slots, key_index = pages.chunks(c), pages.slot_k
-            value_slots = key_slots, pages.slot_v.flatten().index_select(0, self.step_filled)
+        if pages is not None:  # slots are rows of the pages
+            key_slots, key_index = pages.rows, pages.slot_k
+            value_slots = pages.rows, pages.slot_v.flatten(0, 2).index_select(0, self.step_filled)
         else:
             key_slots, key_index, value_slots = self.slot_k, None, None
             if ops.compiled_cpu(self.slot_v) and self.slot_v.is_contiguous():

@@ -36,11 +36,12 @@ def rebuild_keys(
     Request b's token t is pool row a_start[b] + t, held in row a_rows[pool row] of a [NA, r]
     (any strides: in the engine, rows of pages); a_rows [TA] int64; a_positions [TA] int32; b
     [B, h_kv, r, d]; slot_chunks/miss_slots [B, h_kv, k] int32; miss_count [B, h_kv];
-    slot_k [B, h_kv, k*c, d]. With ``slot_index`` [B, h_kv, k] int64, slot_k is ``[N, c, d]``
-    chunks (in the engine: of the layer's pages) and slot (b, h, s) is chunk slot_index[b, h, s].
+    slot_k [B, h_kv, k*c, d]. With ``slot_index`` [B, h_kv, k, c] int64, slot_k is ``[N, d]``
+    rows (in the engine: of the layer's pages) and token t of slot (b, h, s) is row
+    slot_index[b, h, s, t].
     """
     batch, h_kv, k = slot_chunks.shape
-    c = slot_k.shape[1] if slot_index is not None else slot_k.shape[2] // k
+    c = slot_index.shape[-1] if slot_index is not None else slot_k.shape[2] // k
     width = int(miss_count.max()) if miss_count.numel() else 0
     if width == 0:
         return
@@ -54,7 +55,8 @@ def rebuild_keys(
                       a_positions[rows.flatten()], rope)
     if slot_index is not None:
         chunk_keys = keys.view(*valid.shape, c, keys.shape[-1])
-        slot_k[slot_index.gather(-1, slots)[valid]] = chunk_keys[valid].to(slot_k.dtype)
+        rows = slot_index.gather(2, slots.unsqueeze(-1).expand(-1, -1, -1, c))  # [B, h, w, c]
+        slot_k[rows[valid]] = chunk_keys[valid].to(slot_k.dtype)
         return
     dest = (slots.unsqueeze(-1) * c + offsets).flatten(2)  # [B, h, w*c]
     keep = valid.unsqueeze(-1).expand(-1, -1, -1, c).flatten(2)

@@ -19,7 +19,9 @@ class ValueStore(Protocol):
                     out_rows: torch.Tensor | None = None) -> torch.Tensor:
         """Rows (heads[i], chunks[i]) into host tensor `out` [M, chunk_size, d], for several keys
         at once: key j owns the next counts[j] rows. Row i goes to out[i], or to
-        out[out_rows[i]] (the CPU decode gathers straight into its slots)."""
+        out[out_rows[i]] (the CPU decode gathers straight into its slots); with out_rows
+        [n, chunk_size], `out` is [M, d] and the chunk's token rows go to out[out_rows[i, t]]
+        (the CPU decode's slots in pages that hold no whole number of chunks)."""
 
     def free(self, key: Hashable) -> None:
         """Give back everything held for `key`."""
@@ -46,7 +48,9 @@ class InMemoryValueStore:
         rows = torch.cat([self.gather(k, h, c) for k, h, c in parts if len(h)] or [out[:0]])
         if out_rows is None:
             return out.copy_(rows)
-        return out.index_copy_(0, out_rows.to(out.device).long(), rows.to(out.device))
+        if out_rows.dim() == 2:  # token rows
+            rows = rows.flatten(0, 1)
+        return out.index_copy_(0, out_rows.to(out.device).long().flatten(), rows.to(out.device))
 
     def free(self, key: Hashable) -> None:
         self._values.pop(key, None)

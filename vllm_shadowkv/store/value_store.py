@@ -144,7 +144,9 @@ class CpuValueStore:
         """Rows of several keys into the CPU tensor `out` [M, *row_shape] at once: key i owns the
         next counts[i] of (heads, chunks) (a key with none need not be stored). Row i goes to
         out[i], or to out[out_rows[i]]: the CPU decode step gathers straight into its slots,
-        with no staging copy. One index_select (or ``copy_rows``) per extent the rows touch,
+        with no staging copy; with ``out_rows`` [n, c] (``out`` [M, d]) each of a row's c token
+        rows goes where its own row id says. One index_select (or ``copy_rows``) per extent the
+        rows touch,
         whatever the number of keys (on CUDA `out` is the decode step's pinned staging buffer,
         which the core then copies on its copy stream)."""
         stored = [(k, n) for k, n in zip(keys, counts) if n]
@@ -180,8 +182,12 @@ class CpuValueStore:
                                                  heads * num_rows + chunks, first_page):
             if out_rows is not None:
                 dest = out_rows if at is None else out_rows.index_select(0, at)
-                ops.copy_rows(out.view(len(out), -1), dest.long(), extent.view(len(extent), -1),
-                              local)
+                src = extent.view(len(extent), -1)
+                if dest.dim() == 2:  # token rows: each store row split into dest's c rows
+                    c = dest.shape[1]
+                    src = src.view(len(extent) * c, -1)
+                    local = (local.unsqueeze(1) * c + torch.arange(c)).flatten()
+                ops.copy_rows(out.view(len(out), -1), dest.long().flatten(), src, local)
                 continue
             if at is None:
                 torch.index_select(extent, 0, local, out=out)

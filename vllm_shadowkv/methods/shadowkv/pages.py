@@ -15,11 +15,11 @@ pages and every row is addressed as (page, row in page).
 
 Every row is addressed by its element offset in the flat layer cache. Decode reads the rows of
 every request of the step with one ``index_select`` per field (the offsets: ``RequestPlan`` and
-``BatchPlan``, built once per request and batch, shared by all layers). On the CPU, where each
-slot chunk's rows lie together in a page (``slots_in_place``), the step writes the rebuilt keys
-and fetched values of the slots whose chunk changed straight into their pages, then gathers the
-exact region, the slots and the generated tokens for one attention call; elsewhere it copies
-them out first and writes the changed slots back after.
+``BatchPlan``, built once per request and batch, shared by all layers). On the CPU, where the
+rows tile the pages (``slots_in_place``), the step writes the rebuilt keys and fetched values of
+the slots whose chunk changed straight into their rows of the pages, then gathers the exact
+region, the slots and the generated tokens for one attention call; elsewhere it copies them out
+first and writes the changed slots back after.
 """
 
 from __future__ import annotations
@@ -96,8 +96,8 @@ class BatchPlan:
     # Where the slots are refilled in place (``ShadowKVPages.slots_in_place``), else None:
     attended_k: torch.Tensor | None = None  # [B, h, E_max + k*c] rows: exact region, slots
     attended_v: torch.Tensor | None = None
-    slot_k_chunks: torch.Tensor | None = None  # [B, h, k] chunk (of c rows) of each slot
-    slot_v_chunks: torch.Tensor | None = None
+    slot_k_rows: torch.Tensor | None = None  # [B, h, k, c] rows of each slot's tokens
+    slot_v_rows: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -129,11 +129,10 @@ class ShadowKVPages:
 
     @property
     def slots_in_place(self) -> bool:
-        """Whether every slot chunk's ``c`` rows lie together in one page, at a multiple of
-        ``c`` rows from the layer's first row (rows tile the pages, ``c`` divides a page's rows
-        and the slot fields start on a chunk): the CPU step then refills them in place."""
-        rows, c = self.rows_per_page, self.settings.chunk_size
-        return self.page_bytes == rows * self.row_bytes and rows % c == 0
+        """Whether the state rows tile the pages, so that the layer's cache seen as rows holds
+        every slot row: the CPU step then refills the slots in place, row by row (a chunk may
+        straddle two pages)."""
+        return self.page_bytes == self.rows_per_page * self.row_bytes
 
     @property
     def ints_per_row(self) -> int:
@@ -158,8 +157,6 @@ class ShadowKVPages:
                  "outliers": -(-h * o // ipr), "slot_chunks": -(-h * k // ipr)}
         first, at = {}, 0
         for name, rows in sizes.items():
-            if name in ("slot_k", "slot_v"):  # whole chunks of rows: refilled in place
-                at = -(-at // c) * c
             first[name] = at
             at += rows
         return StateLayout(num_outliers=o, exact_tokens=exact, num_slots=k, rows=at, **first)
@@ -285,7 +282,7 @@ class ShadowKVPages:
         for kv in ("k", "v"):
             slots = stack(f"slot_{kv}").view(-1, h, self.settings.params.select_chunks * c) // d
             fields[f"attended_{kv}"] = torch.cat([padded_exact(f"exact_{kv}") // d, slots], -1)
-            fields[f"slot_{kv}_chunks"] = slots[..., ::c] // c
+            fields[f"slot_{kv}_rows"] = slots.unflatten(-1, (-1, c))
         return fields
 
     # -- page I/O -----------------------------------------------------------------------------
@@ -332,7 +329,7 @@ class ShadowKVPages:
             state["in_place"] = InPlace(
                 kv_cache.view(-1, d), torch.cat([plan.attended_k, generated[0]], -1),
                 torch.cat([plan.attended_v, generated[1]], -1), plan.exact_k.shape[-1],
-                plan.slot_k_chunks, plan.slot_v_chunks)
+                plan.slot_k_rows, plan.slot_v_rows)
         else:
             state = dict(
                 exact_k=self.read_rows(kv_cache, plan.exact_k),
