@@ -20,8 +20,8 @@ class ValueStore(Protocol):
         """Rows (heads[i], chunks[i]) into host tensor `out` [M, chunk_size, d], for several keys
         at once: key j owns the next counts[j] rows. Row i goes to out[i], or to
         out[out_rows[i]] (the CPU decode gathers straight into its slots); with out_rows
-        [n, chunk_size], `out` is [M, d] and the chunk's token rows go to out[out_rows[i, t]]
-        (the CPU decode's slots in pages that hold no whole number of chunks)."""
+        [n, chunk_size], `out` is [M, d] and token t of row i goes to out[out_rows[i, t]] (the
+        CPU decode's slots, row by row in the pages: a chunk may straddle two pages)."""
 
     def free(self, key: Hashable) -> None:
         """Give back everything held for `key`."""
