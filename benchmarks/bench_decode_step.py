@@ -6,8 +6,9 @@ attention (torch SDPA over the whole context), in the same run, reported as rati
                                                                # (FlashAttention), per-kernel
                                                                # bandwidth, kernel-vs-reference
 
-Imports only torch, triton and vllm_shadowkv.core / vllm_shadowkv.triton_kernels, so a GPU
-machine without vLLM runs it. Writes JSON and a PNG plot (if matplotlib is present).
+Imports only torch, triton and vllm_shadowkv.core / .store / .triton_kernels, so a GPU machine
+without vLLM runs it. On CUDA the values sit in the engine's pinned CpuValueStore (the first GPU
+run, 2026-11-27, had them in an unpinned CPU tensor). Writes JSON and a PNG plot (if matplotlib is present).
 """
 
 import argparse
@@ -26,6 +27,7 @@ from vllm_shadowkv.core.decode import DecodeBatch, decode_step
 from vllm_shadowkv.core.params import ShadowKVParams
 from vllm_shadowkv.core.rope import RopeCache, apply_rope
 from vllm_shadowkv.core.store import InMemoryValueStore
+from vllm_shadowkv.store import CpuValueStore
 
 H_Q, H_KV, HEAD_DIM = 32, 8, 128
 PARAMS = ShadowKVParams()  # paper defaults: rank 160, chunk 8, budget 2048, 48 outliers
@@ -75,7 +77,12 @@ def bench_point(context, batch_size, reps, device, rope, cache):
         cache[context] = (keys, values, prompt, store)
     keys, values, prompt, store = cache[context]
     shared = store._values[0]
-    for i in range(1, batch_size):  # alias the one stored value tensor under every request
+    if device.type == "cuda":  # the engine's store: pinned host pages, fetched on a copy stream
+        per_request = shared.numel() * shared.element_size() + (1 << 20)  # + page rounding
+        store = CpuValueStore(batch_size * per_request, shared.dtype,
+                              tuple(shared.shape[2:]), pin_memory=True)
+        store.put(0, shared)
+    for i in range(1, batch_size):  # the one prompt's values under every request
         store.put(i, shared)
     ids = list(range(batch_size))
     state = DecodeBatch.build([prompt] * batch_size, ids, rope, PARAMS, gen_capacity=64)

@@ -42,3 +42,12 @@ if not torch.cuda.is_available():
 @pytest.fixture
 def kernel_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@pytest.fixture
+def interpreted():
+    """For tests that run the Triton kernels on CPU tensors (``ops.force_triton()``): only the
+    interpreter takes those. With CUDA present the kernels compile for the GPU instead, and
+    the tests on ``kernel_device`` and the CUDA decode tests cover them."""
+    if torch.cuda.is_available():
+        pytest.skip("Triton kernels on CPU tensors need the interpreter (not used with CUDA)")

@@ -273,7 +273,7 @@ def test_kernel_with_ties(group, impl, kernel_device):
     _check_selection(got_ids, want_scores, prompt_len, sink, recent, k)
 
 
-def test_dispatch_routes_channel_scores(monkeypatch):
+def test_dispatch_routes_channel_scores(monkeypatch, interpreted):
     calls = []
     for name, module, fn in (("cpu", cpu_kernels, "channel_scores"),
                              ("torch", cc, "channel_scores"),

@@ -145,7 +145,7 @@ def _slots_by_chunk(batch, c):
     return chunks, pick(batch.slot_k), pick(batch.slot_v)
 
 
-def test_triton_path_matches_torch_path():
+def test_triton_path_matches_torch_path(interpreted):
     """The whole decode step through the interpreted kernels, bf16, at a budget below the
     context so selection, hits and misses all happen."""
     h_kv, group, d = 2, 4, 64

@@ -42,7 +42,7 @@ def test_the_counter_sees_reads_of_device_data_and_not_of_host_copies():
     assert waits.reads == [] and waits.copies == 1
 
 
-def test_decode_step_reads_the_device_once_per_step():
+def test_decode_step_reads_the_device_once_per_step(interpreted):
     h_kv, group, d = 2, 4, 64
     lengths = [520, 300]
     torch.manual_seed(0)
@@ -68,13 +68,15 @@ def test_decode_step_reads_the_device_once_per_step():
 @pytest.mark.parametrize("device", [
     "cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
                                                          reason="needs CUDA"))])
-def test_engine_decode_reads_the_device_once_per_layer_and_step(device):
+def test_engine_decode_reads_the_device_once_per_layer_and_step(device, request):
     """ShadowKV's ``decode`` as the engine calls it, two layers per step, a ragged batch: the
     batch's plan (first step) and the step's index tensors are built in the first layer,
     every layer copies its misses to the host once, and nothing else is read from the
     device. On the CPU counted along the interpreted kernels' path; on CUDA by CUDA's sync
     debug mode, from the second step (the first builds the batch's plan: host-to-device copies
     of its index tensors)."""
+    if device == "cpu":
+        request.getfixturevalue("interpreted")  # the CPU case runs the kernels interpreted
     g = torch.Generator().manual_seed(5)
     h, hq, d, steps = 2, 8, 32, 3
     prompts = {"a": 600, "b": 777}

@@ -255,7 +255,7 @@ def test_copy_rows(n, width, src_dtype, dst_dtype, gathered):
     assert torch.equal(want[1].view(517, width)[index], rows.to(dst_dtype))
 
 
-def test_dispatch_routes_to_kernels(monkeypatch):
+def test_dispatch_routes_to_kernels(monkeypatch, interpreted):
     calls = []
     for name, module in (("triton", select_kernels), ("cpu", cpu_kernels), ("torch", select)):
         real = module.landmark_scores

@@ -201,7 +201,7 @@ def _batch(fmt, h_kv, gqa, s_q, counts, dtype, device="cpu"):
     return q, pool, table, count_t
 
 
-# (format, h_kv, GQA group, s_q, counts): head_dim 64/128, GQA 1/4/8, ragged counts with 0,
+# (format, h_kv, GQA group, s_q, counts): head_dim 64/96/128, GQA 1/4/8, ragged counts with 0,
 # 1 to 3 splits of the group table in the kernel.
 def _case_id(case):
     fmt, h_kv, gqa, s_q, _ = case
@@ -215,6 +215,7 @@ ATTENTION_CASES = [
     (KiviFormat(1, 64, 64, 64, midpoint_one_bit=False), 2, 4, 1, [2, 3]),
     (KiviFormat(2, 16, 128, 16), 2, 8, 2, [1, 6, 0, 2]),
     (KiviFormat(2, 32, 64, 16), 1, 8, 9, [2, 1]),  # 72 query rows: two row blocks
+    (KiviFormat(2, 16, 96, 48), 1, 4, 1, [3, 2]),  # channel groups that do not tile 128
 ]
 
 

@@ -248,12 +248,13 @@ def test_paged_sparse_decode_on_cuda_matches_cpu():
         blocks, slots = layout.exact_token_slots(p, dev_blocks, positions.to(device))
         write_exact(dev_cache, layout, blocks, slots, k.to(device), v.to(device))
         ctx = context(dev_cache, layout, rope.to(device), store, RequestStats())
-        method.finalize(ctx, RequestRows("r", p, p, 0, 0, dev_blocks), k[:p].to(device),
+        req_id = f"r-{device}"  # the method caches each request's plan (on its device)
+        method.finalize(ctx, RequestRows(req_id, p, p, 0, 0, dev_blocks), k[:p].to(device),
                         v[:p].to(device))
         outs[device] = []
         for i in range(gen):
             out = torch.zeros(1, hq, d, dtype=torch.bfloat16, device=device)
-            method.decode(ctx, [RequestRows("r", p, p + i + 1, 0, 1, dev_blocks)],
+            method.decode(ctx, [RequestRows(req_id, p, p + i + 1, 0, 1, dev_blocks)],
                           queries[i].to(device), k[p + i: p + i + 1].to(device),
                           v[p + i: p + i + 1].to(device), out)
             outs[device].append(out.cpu())
