@@ -4,6 +4,7 @@ dequantize-then-attend. Fresh random inputs each test."""
 
 import importlib
 import os
+import subprocess
 import sys
 
 import pytest
@@ -252,6 +253,28 @@ def test_compiled_cpu_kernel_in_blocks(case, dtype, monkeypatch):
     batch = len(case[-1])
     monkeypatch.setattr(torch_path, "BLOCK_TOKENS", 2 * case[0].group * batch)  # several blocks
     _check_attention(cpu_kernels.quant_attention, case, dtype)
+
+
+_WIDTHS_SCRIPT = """
+import torch
+from vllm_shadowkv.core import cpu_kernels
+from vllm_shadowkv.core.kivi import KiviFormat, quantize_groups
+for bits in (2, 1, 4):
+    fmt = KiviFormat(bits, 16, 64, 16)
+    pool = quantize_groups(*torch.randn(2, 48, 2, 64).bfloat16(), fmt)
+    table, count = torch.tensor([[0, 1, 2]], dtype=torch.int32), torch.tensor([3], dtype=torch.int32)
+    q = torch.randn(1, 1, 8, 64).bfloat16()
+    with torch._dynamo.config.patch(error_on_recompile=bits != 2):
+        cpu_kernels.quant_attention(q, pool, table, count, fmt, 0.125)
+        cpu_kernels.quant_logits(q[:, 0], pool, table, count, fmt, 0.125)
+"""
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="inductor needs a C++ compiler")
+def test_each_bit_width_compiles_a_graph_of_its_own():
+    """In a fresh process, a second bit width compiles a graph of its own instead of recompiling
+    the first's with the width symbolic (10x slower unpacking)."""
+    subprocess.run([sys.executable, "-c", _WIDTHS_SCRIPT], check=True, timeout=600)
 
 
 @pytest.mark.parametrize("case", ATTENTION_CASES, ids=_case_id)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import shutil
 import time
+import types
 
 import torch
 from torch.fx.experimental import _config as fx_config
@@ -59,6 +60,17 @@ def _one_graph(compiled, dynamic_dims: tuple[tuple[int, ...], ...] = ()):
 
 def _compiled(fn):
     return _one_graph(torch.compile(fn, dynamic=True, fullgraph=True))
+
+
+def _compiled_per_width(fn, bits: int):
+    """``fn`` (a closure over ``bits``) compiled with a code object of its own. Dynamo keeps its
+    graphs per code object: the closures of one ``def`` for two bit widths shared them, and the
+    second width recompiled the first's graph with ``bits`` symbolic (automatic dynamic), which
+    made the unpacking 10x slower (a 1-bit block after a 2-bit one in one process, 2026-11-27)
+    and fails in torch 2.11's dynamo. The bit width must be a constant of the graph."""
+    code = fn.__code__.replace(co_name=f"{fn.__name__}_{bits}bit")
+    own = types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
+    return torch.compile(own, dynamic=None, fullgraph=True)
 
 
 # Each dtype, head size and RoPE style is a graph of its own; a server sees one or two, the
@@ -332,11 +344,10 @@ def _dequantized_keys(key_codes, key_scale, key_zero, bits: int) -> torch.Tensor
 @functools.cache
 def _quant_block(bits: int):
     """The compiled attention over one block of gathered groups, for ``bits``-bit codes. The
-    bit widths must be constants of the graph: symbolic (an argument, or a closure under
-    ``dynamic=True``) they made the unpacking 10x slower; ``dynamic=None`` still makes the
-    sizes dynamic once they change."""
+    bit widths must be constants of the graph (``_compiled_per_width``): symbolic (an argument,
+    or a closure under ``dynamic=True``) they made the unpacking 10x slower; ``dynamic=None``
+    still makes the sizes dynamic once they change."""
 
-    @functools.partial(torch.compile, dynamic=None, fullgraph=True)
     def block(q: torch.Tensor, key_codes: torch.Tensor, key_scale: torch.Tensor,
               key_zero: torch.Tensor, value_codes: torch.Tensor, value_scale: torch.Tensor,
               value_zero: torch.Tensor, valid: torch.Tensor, scale: float):
@@ -364,7 +375,7 @@ def _quant_block(bits: int):
         return out.view(rows, s_q, group, head_dim), lse
 
     # rows (requests x KV heads), query rows, groups per block vary; the rest is the format's
-    return _one_graph(block, ((0, 1),) + ((0, 1),) * 6 + ((0, 1),))
+    return _one_graph(_compiled_per_width(block, bits), ((0, 1),) + ((0, 1),) * 6 + ((0, 1),))
 
 
 def _per_kv_head(field: torch.Tensor, ids: torch.Tensor, batch: int, h_kv: int) -> torch.Tensor:
@@ -379,7 +390,6 @@ def _logits_block(bits: int):
     """The compiled logits of one query row per (request, KV head) over one block of gathered
     key groups (``bits`` a graph constant, as in ``_quant_block``)."""
 
-    @functools.partial(torch.compile, dynamic=None, fullgraph=True)
     def block(q: torch.Tensor, key_codes: torch.Tensor, key_scale: torch.Tensor,
               key_zero: torch.Tensor, valid: torch.Tensor, scale: float):
         """q [R, g, d]; codes [R, n, T, W], scale/zero [R, n, d]; valid [R, n * T] -> logits
@@ -389,7 +399,7 @@ def _logits_block(bits: int):
         logits = torch.matmul(q.float(), k.transpose(1, 2))
         return (logits * scale).masked_fill(~valid[:, None, :], float("-inf"))
 
-    return _one_graph(block, ((0,),) + ((0, 1),) * 3 + ((0, 1),))
+    return _one_graph(_compiled_per_width(block, bits), ((0,),) + ((0, 1),) * 3 + ((0, 1),))
 
 
 def quant_logits(q, groups, group_table, group_count, fmt, scale):
