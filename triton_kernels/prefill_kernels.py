@@ -3,9 +3,12 @@ s tokens causally, K/V read in place from the exact pages (no gathered copy, no 
 fp32 online softmax, and each row's LSE returned (what MiniKV's column sums normalise by).
 
 Reference and signature: vllm_shadowkv.core.attention.paged_causal_attention_reference.
-One program per (query head, block of query rows), flash-attention style: it walks the key
-blocks its rows see, each token's page and slot from ``blocks``/``slots`` (one row of the block
-table resolved per token, as vLLM's paged kernels read their block table).
+One program per (query head, block of query rows, split of the keys), flash-attention style: it
+walks the key blocks its rows see, each token's page and slot from ``blocks``/``slots`` (one row
+of the block table resolved per token, as vLLM's paged kernels read their block table). A
+prefill is one split; a few rows over a long context (a decode step) are split over the keys
+(flash-decoding) and the parts merged by LSE: one decode row per query head alone was 32
+programs on an H200's 132 SMs (2.4x slower than SDPA over the gathered tokens at 128K).
 On CUDA, 16-bit inputs multiply in their own dtype with fp32 accumulation (P in the inputs'
 dtype, as FlashAttention does); under Triton's CPU interpreter, which mishandles bf16 operands
 of tl.dot, they are widened to fp32 first (TF32 holds 16-bit mantissas whole).
@@ -15,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from vllm_shadowkv.core.attention import merge_stacked
+
 LOG2E = 1.4426950408889634
 _MIN_DOT = 16  # tl.dot needs every dimension >= 16
 
@@ -22,8 +27,8 @@ _MIN_DOT = 16  # tl.dot needs every dimension >= 16
 @triton.jit
 def _paged_causal_kernel(
     q_ptr, kv_ptr, blocks_ptr, slots_ptr, out_ptr, lse_ptr,
-    s_qn, s_qh, s_qd, s_kvb, s_kvs, s_kvp, s_kvh, s_kvd, s_on, s_oh, s_od, s_lh, s_ln,
-    n, seq_len, scale_log2,
+    s_qn, s_qh, s_qd, s_kvb, s_kvs, s_kvp, s_kvh, s_kvd, s_os, s_on, s_oh, s_od, s_ls, s_lh,
+    s_ln, n, seq_len, keys_per_split, scale_log2,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, WIDEN: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
@@ -43,7 +48,10 @@ def _paged_causal_kernel(
     row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     last_key = seq_len - n + tl.minimum((tl.program_id(1) + 1) * BLOCK_M, n)  # causal limit
-    for j0 in range(0, last_key, BLOCK_N):
+    split = tl.program_id(2)
+    first_key = split * keys_per_split
+    last_key = tl.minimum(last_key, first_key + keys_per_split)
+    for j0 in range(first_key, last_key, BLOCK_N):
         offs_n = j0 + tl.arange(0, BLOCK_N)
         n_mask = offs_n < last_key
         page = tl.load(blocks_ptr + offs_n, mask=n_mask, other=0).to(tl.int64)
@@ -65,11 +73,13 @@ def _paged_causal_kernel(
         row_sum = row_sum * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=precision)
         row_max = new_max
-    out = acc / row_sum[:, None]
-    tl.store(out_ptr + offs_m[:, None] * s_on + hq * s_oh + offs_d[None, :] * s_od,
+    # A split whose keys all lie past a row's causal limit gives it out 0 and lse -inf.
+    out = acc / tl.maximum(row_sum, 1e-30)[:, None]
+    tl.store(out_ptr + split * s_os + offs_m[:, None] * s_on + hq * s_oh + offs_d[None, :] * s_od,
              out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
-    lse = (row_max + tl.log2(row_sum)) / 1.4426950408889634  # natural log
-    tl.store(lse_ptr + hq * s_lh + offs_m * s_ln, lse, mask=m_mask)
+    lse = tl.where(row_sum > 0.0, (row_max + tl.log2(row_sum)) / 1.4426950408889634,
+                   float("-inf"))  # natural log
+    tl.store(lse_ptr + split * s_ls + hq * s_lh + offs_m * s_ln, lse, mask=m_mask)
 
 
 def tile_sizes(head_dim: int) -> tuple[int, int]:
@@ -86,16 +96,40 @@ def paged_causal_attention(query: torch.Tensor, kv: torch.Tensor, blocks: torch.
     h_kv, s_len = kv.shape[3], blocks.shape[0]
     assert h_q % h_kv == 0 and slots.shape == blocks.shape and s_len >= q_len
     assert query.device == kv.device == blocks.device == slots.device
-    out = torch.empty_like(query)
     q = query if query.dtype == kv.dtype else query.to(kv.dtype)  # e.g. a bf16 cache, fp16 model
-    lse = torch.empty(h_q, q_len, dtype=torch.float32, device=query.device)
     if q_len == 0:
-        return out, lse.view(h_kv, h_q // h_kv, 0)
+        return torch.empty_like(query), torch.empty(h_kv, h_q // h_kv, 0, device=query.device)
     block, block_d = tile_sizes(head_dim)
-    _paged_causal_kernel[(h_q, triton.cdiv(q_len, block))](
+    row_blocks = triton.cdiv(q_len, block)
+    n_splits, per_split = _key_splits(h_q * row_blocks, s_len, block, query.device)
+    if n_splits == 1:
+        out = torch.empty_like(query)
+        lse = torch.empty(h_q, q_len, dtype=torch.float32, device=query.device)
+        out_strides, lse_strides = (0, *out.stride()), (0, *lse.stride())
+    else:  # fp32 partial results per split, merged by LSE below
+        out = torch.empty(n_splits, q_len, h_q, head_dim, dtype=torch.float32,
+                          device=query.device)
+        lse = torch.empty(n_splits, q_len, h_q, dtype=torch.float32, device=query.device)
+        out_strides = out.stride()
+        lse_strides = (lse.stride(0), lse.stride(2), lse.stride(1))
+    _paged_causal_kernel[(h_q, row_blocks, n_splits)](
         q, kv, blocks, slots, out, lse,
         *q.stride(), kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3), kv.stride(4),
-        *out.stride(), *lse.stride(), q_len, s_len, scale * LOG2E,
+        *out_strides, *lse_strides, q_len, s_len, per_split, scale * LOG2E,
         GROUP=h_q // h_kv, HEAD_DIM=head_dim, WIDEN=not q.is_cuda,
         IEEE=q.dtype == torch.float32, BLOCK_M=block, BLOCK_N=block, BLOCK_D=block_d)
-    return out, lse.view(h_kv, h_q // h_kv, q_len)
+    if n_splits > 1:
+        out, lse = merge_stacked(out, lse)
+        out, lse = out.to(query.dtype), lse.T
+    return out, lse.reshape(h_kv, h_q // h_kv, q_len)
+
+
+def _key_splits(programs: int, s_len: int, block: int, device: torch.device) -> tuple[int, int]:
+    """(splits, keys per split) of the context (flash-decoding) where the query rows alone give
+    the device too few programs: one decode row per query head is 32 programs on 132 SMs. A
+    prefill chunk of 64 rows or more fills the device and stays one split."""
+    target = 4 * torch.cuda.get_device_properties(device).multi_processor_count \
+        if device.type == "cuda" else 8
+    n_splits = max(1, min(triton.cdiv(s_len, block), triton.cdiv(target, programs)))
+    per_split = triton.cdiv(triton.cdiv(s_len, n_splits), block) * block
+    return triton.cdiv(s_len, per_split), per_split

@@ -312,6 +312,24 @@ def test_paged_causal_attention(seq_len, q_len, group, head_dim, dtype, kernel_d
         torch.testing.assert_close(want[1], flash[1], atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("q_len", [1, 5])
+def test_paged_causal_attention_split_over_the_keys(q_len, kernel_device):
+    """Few query rows over a long context (a decode step): the keys are split over programs
+    (flash-decoding) and the parts merged by LSE, including parts past some rows' causal limit."""
+    h_kv, group, head_dim, per_page, s_len = 2, 2, 64, 16, 1000
+    assert prefill_kernels._key_splits(h_kv * group, s_len, 64, kernel_device)[0] > 1
+    pages = s_len // per_page + 3
+    kv = torch.randn(pages, per_page, 2, h_kv, head_dim, device=kernel_device).bfloat16()
+    where = torch.randperm(pages * per_page, device=kernel_device)[:s_len]
+    q = torch.randn(q_len, h_kv * group, head_dim, device=kernel_device).bfloat16()
+    got = prefill_kernels.paged_causal_attention(q, kv, where // per_page, where % per_page, 0.125)
+    want = attention.paged_causal_attention_reference(q, kv, where // per_page,
+                                                      where % per_page, 0.125)
+    assert got[0].dtype == q.dtype and got[1].shape == (h_kv, group, q_len)
+    torch.testing.assert_close(got[0], want[0], **_tol(torch.bfloat16))
+    torch.testing.assert_close(got[1], want[1], atol=1e-4, rtol=1e-4)
+
+
 def test_paged_causal_attention_takes_a_cache_of_another_dtype(kernel_device):
     """An fp16 model over a bf16 KV cache (kv_cache_dtype "bfloat16"): the query meets the
     cache in its dtype, the output keeps the query's."""

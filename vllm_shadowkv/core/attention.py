@@ -123,9 +123,12 @@ def merge_attention(
     outs: list[torch.Tensor], lses: list[torch.Tensor]
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Combine attention over disjoint key sets: out [.., d] and lse [..] per set."""
-    lse_all = torch.stack(lses)  # [n, ...]
-    lse = torch.logsumexp(lse_all, dim=0)
-    safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
-    weights = torch.exp(lse_all - safe).unsqueeze(-1)
-    out = (weights * torch.stack([o.float() for o in outs])).sum(dim=0)
+    out, lse = merge_stacked(torch.stack([o.float() for o in outs]), torch.stack(lses))
     return out.to(outs[0].dtype), lse
+
+
+def merge_stacked(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """merge_attention over the first dimension of outs [n, .., d] (fp32) and lses [n, ..]."""
+    lse = torch.logsumexp(lses, dim=0)
+    safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+    return (torch.exp(lses - safe).unsqueeze(-1) * outs).sum(dim=0), lse
