@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from vllm_shadowkv.core.attention import merge_attention
+from vllm_shadowkv.core.attention import merge_stacked
 from vllm_shadowkv.core.kivi import KiviFormat, QuantizedGroups
 
 _MIN_DOT = 16  # tl.dot needs every dimension >= 16
@@ -230,7 +230,7 @@ def quant_attention(q, groups, group_table, group_count, fmt: KiviFormat, scale,
         BITS=fmt.bits, IEEE=q.dtype == torch.float32, BLOCK_R=block_r,
         BLOCK_T=max(_MIN_DOT, triton.next_power_of_2(tokens)), BLOCK_D=block_d,
         BLOCK_E=triton.next_power_of_2(n_excluded) if n_excluded else 0)
-    out, lse = merge_attention(list(part_out.unbind(2)), list(part_lse.unbind(2)))
+    out, lse = merge_stacked(part_out.movedim(2, 0), part_lse.movedim(2, 0))
     # [B, h_kv, group, s_q, ...] -> [B, s_q, h_q, ...]
     out = out.view(batch, h_kv, group, s_q, head_dim).permute(0, 3, 1, 2, 4)
     lse = lse.view(batch, h_kv, group, s_q).permute(0, 3, 1, 2)
