@@ -8,7 +8,7 @@
 # SpeCache), ShadowKV's decode step, the engine's exact attention (the paged Triton kernel
 # against its gathered-SDPA predecessor, time and peak memory) and MiniKV's column sums.
 # Each phase has its own time limit and a failed phase does not stop the next; ONLY names the
-# phases to run (default all).
+# phases to run (default all but profile_quant, Nsight Compute on the quantized-page kernel).
 #   bash scripts/gpu_checks.sh [RESULTS_DIR]      (default gpu_results/)
 #   ONLY="gpu_tests quant_attention" bash scripts/gpu_checks.sh
 set -uo pipefail
@@ -48,6 +48,12 @@ phase exact_attention 60 $PY benchmarks/bench_exact_attention.py --device cuda -
     --out "$RESULTS/exact_attention_cuda.json"
 phase heavy_hitters 45 $PY benchmarks/bench_heavy_hitters.py --device cuda \
     --lengths 16384,32768 --reps 3 --out "$RESULTS/heavy_hitters_cuda.json"
+NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)
+phase profile_quant 120 "${NCU:-ncu}" --clock-control none -k regex:_quant_attention_kernel \
+    --launch-skip 5 -c 1 --section SpeedOfLight --section Occupancy --section LaunchStats \
+    --section WarpStateStats --section MemoryWorkloadAnalysis \
+    $PY benchmarks/bench_quant_attention.py --device cuda --contexts 131072 --batches 16 \
+    --reps 1 --out "$RESULTS/quant_attention_profiled.json"
 for name in $ONLY; do
     echo "== $name"; tail -n 25 "$RESULTS/$name.txt"
 done
