@@ -22,6 +22,9 @@ from vllm_shadowkv.core.attention import merge_stacked
 
 LOG2E = 1.4426950408889634
 _MIN_DOT = 16  # tl.dot needs every dimension >= 16
+# Keys per split at least: a short context is fast on one split, and splitting it adds the
+# merge's few launches to a step that is host-bound on a GPU (not yet timed: a first choice).
+_MIN_SPLIT_KEYS = 1024
 
 
 @triton.jit
@@ -130,6 +133,6 @@ def _key_splits(programs: int, s_len: int, block: int, device: torch.device) -> 
     prefill chunk of 64 rows or more fills the device and stays one split."""
     target = 4 * torch.cuda.get_device_properties(device).multi_processor_count \
         if device.type == "cuda" else 8
-    n_splits = max(1, min(triton.cdiv(s_len, block), triton.cdiv(target, programs)))
+    n_splits = max(1, min(triton.cdiv(s_len, _MIN_SPLIT_KEYS), triton.cdiv(target, programs)))
     per_split = triton.cdiv(triton.cdiv(s_len, n_splits), block) * block
     return triton.cdiv(s_len, per_split), per_split

@@ -316,7 +316,7 @@ def test_paged_causal_attention(seq_len, q_len, group, head_dim, dtype, kernel_d
 def test_paged_causal_attention_split_over_the_keys(q_len, kernel_device):
     """Few query rows over a long context (a decode step): the keys are split over programs
     (flash-decoding) and the parts merged by LSE, including parts past some rows' causal limit."""
-    h_kv, group, head_dim, per_page, s_len = 2, 2, 64, 16, 1000
+    h_kv, group, head_dim, per_page, s_len = 2, 2, 64, 16, 2600
     assert prefill_kernels._key_splits(h_kv * group, s_len, 64, kernel_device)[0] > 1
     pages = s_len // per_page + 3
     kv = torch.randn(pages, per_page, 2, h_kv, head_dim, device=kernel_device).bfloat16()
