@@ -29,6 +29,8 @@ from vllm_shadowkv.core.rope import RopeCache, apply_rope
 from vllm_shadowkv.core.store import InMemoryValueStore
 from vllm_shadowkv.store import CpuValueStore
 
+from plots import ratio_by_context  # benchmarks/plots.py
+
 H_Q, H_KV, HEAD_DIM = 32, 8, 128
 PARAMS = ShadowKVParams()  # paper defaults: rank 160, chunk 8, budget 2048, 48 outliers
 
@@ -197,26 +199,12 @@ def bench_kernels_cuda(context, batch_size, rope):
 
 
 def _plot(results, path):
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib missing: no plot")
-        return
-    fig, ax = plt.subplots(figsize=(6, 4))
+    series = {}
     for batch_size in sorted({r["batch"] for r in results}):
         pts = [r for r in results if r["batch"] == batch_size]
-        ax.plot([p["context"] // 1024 for p in pts], [p["speedup"] for p in pts], marker="o",
-                label=f"batch {batch_size}")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("context (K tokens)")
-    ax.set_ylabel("dense time / ShadowKV time")
-    ax.axhline(1.0, color="grey", lw=0.5)
-    ax.set_title("Decode step, one layer, Llama-3.1-8B shapes")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+        series[f"batch {batch_size}"] = ([p["context"] for p in pts], [p["speedup"] for p in pts])
+    ratio_by_context(series, "dense time / ShadowKV time",
+                     "Decode step, one layer, Llama-3.1-8B shapes", path)
 
 
 def main():

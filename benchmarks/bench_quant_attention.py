@@ -26,6 +26,8 @@ from vllm_shadowkv.core import ops
 from vllm_shadowkv.core import quant_attention as reference
 from vllm_shadowkv.core.kivi import KiviFormat, QuantizedGroups
 
+from plots import ratio_by_context  # benchmarks/plots.py
+
 H_Q, H_KV, HEAD_DIM = 32, 8, 128
 FORMATS = {  # each method's default format
     "minikv 2-bit G16": KiviFormat(2, 16, HEAD_DIM, 16, midpoint_one_bit=False),
@@ -108,28 +110,14 @@ def _copy_gbps(device):
 
 
 def _plot(results, path):
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib missing: no plot")
-        return
-    fig, ax = plt.subplots(figsize=(6.5, 4))
     key = "speedup_vs_dense_floor" if "speedup_vs_dense_floor" in results[0] else "speedup_vs_sdpa"
+    series = {}
     for name, fmt in FORMATS.items():
         for batch in sorted({r["batch"] for r in results}):
             pts = [r for r in results if r["format"] == str(fmt) and r["batch"] == batch]
-            ax.plot([p["context"] // 1024 for p in pts], [p[key] for p in pts], marker="o",
-                    label=f"{name}, batch {batch}")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("context (K tokens)")
-    ax.set_ylabel(key.replace("_", " "))
-    ax.axhline(1.0, color="grey", lw=0.5)
-    ax.set_title("Quantized-page decode attention, one layer, Llama-3.1-8B shapes")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+            series[f"{name}, batch {batch}"] = ([p["context"] for p in pts], [p[key] for p in pts])
+    ratio_by_context(series, key.replace("_", " "),
+                     "Quantized-page decode attention, one layer, Llama-3.1-8B shapes", path)
 
 
 def main():
