@@ -39,7 +39,7 @@ phase() {  # phase NAME SECONDS CMD...: run, log to RESULTS/NAME.txt, record the
 # compiled CPU kernels are left to CI, on the torch that vLLM pins (torch 2.11's dynamo fails
 # on their shift by a symbolic bit count).
 phase gpu_tests "${TESTS_S:-180}" $PY -P -m pytest -v -p no:cacheprovider --rootdir=. -c /dev/null \
-    -n "${WORKERS:-12}" -k "not compiled" tests/core --ignore=tests/core/test_rope.py \
+    -n "${WORKERS:-14}" -k "not compiled" tests/core --ignore=tests/core/test_rope.py \
     "tests/unit/test_pages.py::test_paged_sparse_decode_on_cuda_matches_cpu" \
     "tests/unit/test_specache_pages.py::test_a_slot_fetch_completed_later_brings_the_wanted_rows"
 phase quant_attention 90 $PY benchmarks/bench_quant_attention.py --device cuda \
