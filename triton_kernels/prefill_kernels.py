@@ -20,6 +20,8 @@ import triton.language as tl
 
 from vllm_shadowkv.core.attention import merge_stacked
 
+from .splits import split_count
+
 LOG2E = 1.4426950408889634
 _MIN_DOT = 16  # tl.dot needs every dimension >= 16
 # Keys per split at least: a short context is fast on one split, and splitting it adds the
@@ -131,8 +133,6 @@ def _key_splits(programs: int, s_len: int, block: int, device: torch.device) -> 
     """(splits, keys per split) of the context (flash-decoding) where the query rows alone give
     the device too few programs: one decode row per query head is 32 programs on 132 SMs. A
     prefill chunk of 64 rows or more fills the device and stays one split."""
-    target = 4 * torch.cuda.get_device_properties(device).multi_processor_count \
-        if device.type == "cuda" else 8
-    n_splits = max(1, min(triton.cdiv(s_len, _MIN_SPLIT_KEYS), triton.cdiv(target, programs)))
+    n_splits = split_count(programs, triton.cdiv(s_len, _MIN_SPLIT_KEYS), device, per_sm=4)
     per_split = triton.cdiv(triton.cdiv(s_len, n_splits), block) * block
     return triton.cdiv(s_len, per_split), per_split

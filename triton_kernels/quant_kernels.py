@@ -19,6 +19,8 @@ import triton.language as tl
 from vllm_shadowkv.core.attention import merge_stacked
 from vllm_shadowkv.core.kivi import KiviFormat, QuantizedGroups
 
+from .splits import split_count
+
 _MIN_DOT = 16  # tl.dot needs every dimension >= 16
 _MAX_ROWS = 64  # query rows per program
 
@@ -183,13 +185,6 @@ def _quant_logits_kernel(
         tl.store(out, logits, mask=out_mask)
 
 
-def _num_splits(batch_heads: int, max_groups: int, device: torch.device) -> int:
-    """Enough programs to fill the device twice over, at least one group per split."""
-    target = 2 * torch.cuda.get_device_properties(device).multi_processor_count \
-        if device.type == "cuda" else 8
-    return max(1, min(max_groups, triton.cdiv(target, batch_heads)))
-
-
 def quant_attention(q, groups, group_table, group_count, fmt: KiviFormat, scale, excluded=None):
     batch, s_q, h_q, head_dim = q.shape
     kc, ks, kz, vc, vs, vz = groups
@@ -213,7 +208,7 @@ def quant_attention(q, groups, group_table, group_count, fmt: KiviFormat, scale,
     group = h_q // h_kv
     rows = group * s_q
     max_groups = group_table.shape[1]
-    n_splits = _num_splits(batch * h_kv, max_groups, q.device)
+    n_splits = split_count(batch * h_kv, max_groups, q.device, per_sm=2)  # >= 1 group each
     block_r = max(_MIN_DOT, min(_MAX_ROWS, triton.next_power_of_2(rows)))
     block_d = max(_MIN_DOT, triton.next_power_of_2(head_dim))
     part_out = torch.empty(batch, h_kv, n_splits, rows, head_dim, dtype=torch.float32,

@@ -146,9 +146,8 @@ class CpuValueStore:
         out[i], or to out[out_rows[i]]: the CPU decode step gathers straight into its slots,
         with no staging copy; with ``out_rows`` [n, c] (``out`` [M, d]) each of a row's c token
         rows goes where its own row id says. One index_select (or ``copy_rows``) per extent the
-        rows touch,
-        whatever the number of keys (on CUDA `out` is the decode step's pinned staging buffer,
-        which the core then copies on its copy stream)."""
+        rows touch, whatever the number of keys (on CUDA `out` is the decode step's pinned
+        staging buffer, which the core then copies on its copy stream)."""
         stored = [(k, n) for k, n in zip(keys, counts) if n]
         if not stored:
             return out
