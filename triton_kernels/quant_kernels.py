@@ -6,7 +6,9 @@ vllm_shadowkv.core.kivi. One program per (request, KV head, block of query rows,
 group table): its rows are all the GQA group's query heads times the query tokens, so each
 group's K/V is read once per KV head and never expanded. Splits (flash-decoding) keep the GPU
 busy at small batch; their partial results are merged by LSE. Excluded tokens (SpeCache's
-exact top-k) are compared against each group's token ids and masked like padding.
+exact top-k) are compared against each group's token ids and masked like padding. With
+``logits_row`` the programs also store that query row's logits, before the exclusion mask
+(SpeCache's next top-k from the same pass: the keys read and dequantized once per step).
 
 quant_logits (reference: vllm_shadowkv.core.mixed_attention.quant_logits) is the QK^T half
 alone, for SpeCache's top-k: one program per (request, KV head, table entry).
@@ -68,16 +70,17 @@ def _dequant_tile(codes_ptr, scale_ptr, zero_ptr, offs_t, offs_d, t_mask, d_mask
 @triton.jit
 def _quant_attention_kernel(
     q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, table_ptr, count_ptr, ex_ptr,
-    out_ptr, lse_ptr,
+    out_ptr, lse_ptr, logits_ptr,
     s_qb, s_qs, s_qh, s_qd,
     s_kcn, s_kch, s_kct, s_kcw, s_kpn, s_kph, s_kpd,
     s_vcn, s_vch, s_vct, s_vcw, s_vpn, s_vph, s_vpt, s_vpd,
-    s_tb, s_tj, s_eb, s_eh, n_excluded, groups_per_split, scale,
+    s_tb, s_tj, s_eb, s_eh, s_lb, s_lh, n_excluded, groups_per_split, scale,
     H_KV: tl.constexpr, GROUP: tl.constexpr, S_Q: tl.constexpr, HEAD_DIM: tl.constexpr,
     TOKENS: tl.constexpr, VALUE_GROUP: tl.constexpr, VALUE_BLOCKS: tl.constexpr,
     BITS: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_E: tl.constexpr,  # 0: nothing excluded
+    LOGITS_ROW: tl.constexpr,  # -1: no logits stored
 ):
     pid_bh = tl.program_id(0)
     row_blk = tl.program_id(1)
@@ -116,6 +119,11 @@ def _quant_attention_kernel(
                           offs_t, offs_d, t_mask, d_mask, s_kct, s_kcw, 0, s_kpd, False, 1,
                           False, BITS, HEAD_DIM, BLOCK_T, BLOCK_D)
         logits = tl.dot(q, tl.trans(k), input_precision=precision) * scale  # [R, T]
+        if LOGITS_ROW >= 0:
+            row_mask = r_mask & (offs_r % S_Q == LOGITS_ROW)
+            tl.store(logits_ptr + b * s_lb + head[:, None] * s_lh
+                     + (j * TOKENS + offs_t)[None, :], logits,
+                     mask=row_mask[:, None] & t_mask[None, :])
         keep = t_mask
         if BLOCK_E > 0:
             hits = (j * TOKENS + offs_t)[:, None] == excluded[None, :]
@@ -185,7 +193,8 @@ def _quant_logits_kernel(
         tl.store(out, logits, mask=out_mask)
 
 
-def quant_attention(q, groups, group_table, group_count, fmt: KiviFormat, scale, excluded=None):
+def quant_attention(q, groups, group_table, group_count, fmt: KiviFormat, scale, excluded=None,
+                    logits_row=None):
     batch, s_q, h_q, head_dim = q.shape
     kc, ks, kz, vc, vs, vz = groups
     n_pool, h_kv, tokens, words = kc.shape
@@ -214,22 +223,34 @@ def quant_attention(q, groups, group_table, group_count, fmt: KiviFormat, scale,
     part_out = torch.empty(batch, h_kv, n_splits, rows, head_dim, dtype=torch.float32,
                            device=q.device)
     part_lse = torch.empty(batch, h_kv, n_splits, rows, dtype=torch.float32, device=q.device)
+    if logits_row is not None:
+        assert 0 <= logits_row < s_q
+        # The contract's width (the longest request's tokens) costs one host sync, as
+        # quant_logits's does; the tokens past a request's count stay -inf.
+        width = int(group_count.max()) if batch else 0
+        logits = torch.full((batch, h_q, width * tokens), float("-inf"), dtype=torch.float32,
+                            device=q.device)
+    else:
+        logits = part_lse  # never written: LOGITS_ROW = -1
     grid = (batch * h_kv, triton.cdiv(rows, block_r), n_splits)
     _quant_attention_kernel[grid](
-        q, kc, ks, kz, vc, vs, vz, group_table, group_count, excluded, part_out, part_lse,
+        q, kc, ks, kz, vc, vs, vz, group_table, group_count, excluded, part_out, part_lse, logits,
         *q.stride(), *kc.stride(), *ks.stride(), *vc.stride(), *vs.stride(),
-        *group_table.stride(), *ex_strides, n_excluded, triton.cdiv(max_groups, n_splits), scale,
+        *group_table.stride(), *ex_strides, *logits.stride()[:2], n_excluded,
+        triton.cdiv(max_groups, n_splits), scale,
         H_KV=h_kv, GROUP=group, S_Q=s_q, HEAD_DIM=head_dim, TOKENS=tokens,
         VALUE_GROUP=fmt.value_group, VALUE_BLOCKS=block_d % fmt.value_group == 0
         and fmt.value_group == triton.next_power_of_2(fmt.value_group),
         BITS=fmt.bits, IEEE=q.dtype == torch.float32, BLOCK_R=block_r,
         BLOCK_T=max(_MIN_DOT, triton.next_power_of_2(tokens)), BLOCK_D=block_d,
-        BLOCK_E=triton.next_power_of_2(n_excluded) if n_excluded else 0)
+        BLOCK_E=triton.next_power_of_2(n_excluded) if n_excluded else 0,
+        LOGITS_ROW=-1 if logits_row is None else logits_row)
     out, lse = merge_stacked(part_out.movedim(2, 0), part_lse.movedim(2, 0))
     # [B, h_kv, group, s_q, ...] -> [B, s_q, h_q, ...]
     out = out.view(batch, h_kv, group, s_q, head_dim).permute(0, 3, 1, 2, 4)
     lse = lse.view(batch, h_kv, group, s_q).permute(0, 3, 1, 2)
-    return out.reshape(batch, s_q, h_q, head_dim).to(q.dtype), lse.reshape(batch, s_q, h_q)
+    out, lse = out.reshape(batch, s_q, h_q, head_dim).to(q.dtype), lse.reshape(batch, s_q, h_q)
+    return (out, lse) if logits_row is None else (out, lse, logits)
 
 
 def quant_logits(q, groups, group_table, group_count, fmt: KiviFormat, scale):

@@ -231,6 +231,38 @@ def test_quant_logits_and_top_k_match_brute_force(impl, case, kernel_device, mon
 
 
 @pytest.mark.parametrize("impl", IMPL_PARAMS)
+@pytest.mark.parametrize("case", MIXED_CASES, ids=_case_id)
+def test_logits_row_from_the_attention_pass(impl, case, kernel_device, monkeypatch):
+    """SpeCache's single pass: the attention with tokens excluded also returns one query row's
+    logits over every token (the excluded ones included), equal to quant_logits of that row,
+    and leaves the attention itself unchanged."""
+    fmt, h_kv, gqa, s_q, counts, k = case
+    monkeypatch.setattr(torch_path, "BLOCK_TOKENS", 2 * fmt.group * len(counts))  # 2-group blocks
+    r = Requests(fmt, h_kv, gqa, s_q, counts, torch.bfloat16, _device(impl, kernel_device))
+    excluded = r.random_tokens(k)
+    plain = IMPLS[impl](r.q, r.pool, r.table, r.count, fmt, r.scale, excluded)
+    for row in range(s_q):
+        out, lse, logits = IMPLS[impl](r.q, r.pool, r.table, r.count, fmt, r.scale, excluded,
+                                       logits_row=row)
+        torch.testing.assert_close((out, lse), plain, atol=1e-6, rtol=1e-6)
+        with ops.kernel_mode(KERNEL_MODES[impl]):
+            want = ops.quant_logits(r.q[:, row], r.pool, r.table, r.count, fmt, r.scale)
+        assert logits.shape == want.shape == (len(counts), h_kv * gqa, max(counts) * fmt.group)
+        tol = 3e-3 if logits.is_cuda else 1e-5  # tf32 dots on CUDA, as above
+        torch.testing.assert_close(logits, want, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("impl", IMPL_PARAMS)
+@pytest.mark.parametrize("case", [CASES[0]], ids=_case_id)
+def test_logits_row_without_groups(impl, case, kernel_device):
+    """A batch whose requests hold no groups yet: empty logits, as quant_logits gives."""
+    fmt, h_kv, gqa, s_q, _, k = case
+    r = Requests(fmt, h_kv, gqa, s_q, [0, 0], torch.bfloat16, _device(impl, kernel_device))
+    out, lse, logits = IMPLS[impl](r.q, r.pool, r.table, r.count, fmt, r.scale, logits_row=0)
+    assert logits.shape == (2, h_kv * gqa, 0) and torch.isinf(lse).all()
+
+
+@pytest.mark.parametrize("impl", IMPL_PARAMS)
 @pytest.mark.parametrize("bits, gqa", [(1, 4), (2, 8), (2, 1)])
 def test_top_k_covering_the_context_is_exact_attention(impl, bits, gqa, kernel_device):
     """The "current" mode end to end: the output row's top-k over the low-bit keys, fetched

@@ -62,13 +62,13 @@ def _compiled(fn):
     return _one_graph(torch.compile(fn, dynamic=True, fullgraph=True))
 
 
-def _compiled_per_width(fn, bits: int):
+def _compiled_per_width(fn, bits: int, variant: str = ""):
     """``fn`` (a closure over ``bits``) compiled with a code object of its own. Dynamo keeps its
     graphs per code object: the closures of one ``def`` for two bit widths shared them, and the
     second width recompiled the first's graph with ``bits`` symbolic (automatic dynamic), which
     made the unpacking 10x slower (a 1-bit block after a 2-bit one in one process, 2026-11-27)
     and fails in torch 2.11's dynamo. The bit width must be a constant of the graph."""
-    code = fn.__code__.replace(co_name=f"{fn.__name__}_{bits}bit")
+    code = fn.__code__.replace(co_name=f"{fn.__name__}_{bits}bit{variant}")
     own = types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
     return torch.compile(own, dynamic=None, fullgraph=True)
 
@@ -342,26 +342,33 @@ def _dequantized_keys(key_codes, key_scale, key_zero, bits: int) -> torch.Tensor
 
 
 @functools.cache
-def _quant_block(bits: int):
+def _quant_block(bits: int, logits_row: int | None = None):
     """The compiled attention over one block of gathered groups, for ``bits``-bit codes. The
     bit widths must be constants of the graph (``_compiled_per_width``): symbolic (an argument,
     or a closure under ``dynamic=True``) they made the unpacking 10x slower; ``dynamic=None``
-    still makes the sizes dynamic once they change."""
+    still makes the sizes dynamic once they change. With ``logits_row`` (a graph constant too)
+    the block also returns that query row's logits."""
 
     def block(q: torch.Tensor, key_codes: torch.Tensor, key_scale: torch.Tensor,
               key_zero: torch.Tensor, value_codes: torch.Tensor, value_scale: torch.Tensor,
-              value_zero: torch.Tensor, valid: torch.Tensor, scale: float):
+              value_zero: torch.Tensor, valid: torch.Tensor, own: torch.Tensor, scale: float):
         """q [R, s, g, d]; the gathered groups of each row: codes [R, n, T, W], key
-        scale/zero [R, n, d], value scale/zero [R, n, T, d / vg]; valid [R, n * T]. -> out
-        [R, s, g, d] fp32, lse [R, s, g]. One fused pass unpacks and dequantizes the block's
-        K (then V) to fp32, and QK^T and PV are GEMMs: 2.2-3x the broadcast sums that never
-        wrote the dequantized block (inductor ran those at about 2 GFLOP/s without AVX-512).
-        The block is bounded (quant_attention.BLOCK_TOKENS), never the whole context."""
+        scale/zero [R, n, d], value scale/zero [R, n, T, d / vg]; valid [R, n * T] the keys
+        attended, own [R, n * T] the row's tokens (excluded ones too). -> out [R, s, g, d] fp32,
+        lse [R, s, g] (and with ``logits_row`` its logits [R, g, n * T], -inf where not own).
+        One fused pass unpacks and dequantizes the block's K (then V) to fp32, and QK^T and PV
+        are GEMMs: 2.2-3x the broadcast sums that never wrote the dequantized block (inductor
+        ran those at about 2 GFLOP/s without AVX-512). The block is bounded
+        (quant_attention.BLOCK_TOKENS), never the whole context."""
         rows, n, tokens, _ = key_codes.shape
         s_q, group, head_dim = q.shape[1:]
         k = _dequantized_keys(key_codes, key_scale, key_zero, bits)
-        logits = torch.matmul(q.float().reshape(rows, s_q * group, head_dim), k.transpose(1, 2))
-        logits = (logits * scale).masked_fill(~valid[:, None, :], float("-inf"))
+        logits = torch.matmul(q.float().reshape(rows, s_q * group, head_dim),
+                              k.transpose(1, 2)) * scale
+        if logits_row is not None:
+            row_logits = logits.view(rows, s_q, group, -1)[:, logits_row].masked_fill(
+                ~own[:, None, :], float("-inf"))
+        logits = logits.masked_fill(~valid[:, None, :], float("-inf"))
         row_max = logits.amax(-1, keepdim=True)
         row_max = torch.where(torch.isinf(row_max), torch.zeros_like(row_max), row_max)
         p = torch.exp(logits - row_max)
@@ -372,10 +379,13 @@ def _quant_block(bits: int):
         out = torch.matmul(p, v.reshape(rows, n * tokens, head_dim))
         out = out / denom.clamp_min(torch.finfo(torch.float32).tiny)
         lse = (row_max + torch.log(denom)).view(rows, s_q, group)  # log(0) = -inf: no keys
-        return out.view(rows, s_q, group, head_dim), lse
+        if logits_row is None:
+            return out.view(rows, s_q, group, head_dim), lse
+        return out.view(rows, s_q, group, head_dim), lse, row_logits
 
     # rows (requests x KV heads), query rows, groups per block vary; the rest is the format's
-    return _one_graph(_compiled_per_width(block, bits), ((0, 1),) + ((0, 1),) * 6 + ((0, 1),))
+    variant = "" if logits_row is None else f"_row{logits_row}"
+    return _one_graph(_compiled_per_width(block, bits, variant), ((0, 1),) * 9)
 
 
 def _per_kv_head(field: torch.Tensor, ids: torch.Tensor, batch: int, h_kv: int) -> torch.Tensor:
@@ -410,7 +420,7 @@ def quant_logits(q, groups, group_table, group_count, fmt, scale):
     h_kv = groups.key_codes.shape[1]
     rows = q.reshape(batch * h_kv, h_q // h_kv, head_dim)  # one row per (request, KV head)
     blocks = []
-    for ids, valid in group_blocks(group_table, group_count, fmt, groups.key_codes.shape[0]):
+    for ids, _, valid in group_blocks(group_table, group_count, fmt, groups.key_codes.shape[0]):
         picked = [_per_kv_head(field, ids, batch, h_kv)
                   for field in (groups.key_codes, groups.key_scale, groups.key_zero)]
         valid = valid.expand(batch, h_kv, -1).flatten(0, 1)
@@ -421,7 +431,8 @@ def quant_logits(q, groups, group_table, group_count, fmt, scale):
     return torch.cat(blocks, dim=-1)
 
 
-def quant_attention(q, groups, group_table, group_count, fmt, scale, excluded=None):
+def quant_attention(q, groups, group_table, group_count, fmt, scale, excluded=None,
+                    logits_row=None):
     """Same contract as core.quant_attention.quant_attention; blocks of groups gathered by
     ``index_select`` and attended by one compiled pass each, merged by LSE."""
     from .attention import merge_attention
@@ -431,18 +442,24 @@ def quant_attention(q, groups, group_table, group_count, fmt, scale, excluded=No
     h_kv = groups.key_codes.shape[1]
     width = int(group_count.max()) if batch else 0
     if width == 0:
-        return torch.zeros_like(q), q.new_full(q.shape[:3], float("-inf"), dtype=torch.float32)
+        out = torch.zeros_like(q), q.new_full(q.shape[:3], float("-inf"), dtype=torch.float32)
+        return out if logits_row is None else (
+            *out, q.new_empty((batch, h_q, 0), dtype=torch.float32))
     rows = q.view(batch, s_q, h_kv, h_q // h_kv, head_dim).transpose(1, 2).reshape(
         batch * h_kv, s_q, h_q // h_kv, head_dim)  # one row per (request, KV head)
-    outs, lses = [], []
-    for ids, valid in group_blocks(group_table, group_count, fmt, groups.key_codes.shape[0],
-                                   excluded):
+    outs, lses, logits = [], [], []
+    for ids, own, valid in group_blocks(group_table, group_count, fmt,
+                                        groups.key_codes.shape[0], excluded):
         picked = [_per_kv_head(field, ids, batch, h_kv) for field in groups]
         valid = valid.expand(batch, h_kv, -1).flatten(0, 1)  # [B * h_kv, n * G]
-        out, lse = _quant_block(fmt.bits)(rows, *picked, valid, scale)
-        outs.append(out)
-        lses.append(lse)
+        own = own.expand(batch, h_kv, -1).flatten(0, 1)
+        result = _quant_block(fmt.bits, logits_row)(rows, *picked, valid, own, scale)
+        outs.append(result[0])
+        lses.append(result[1])
+        if logits_row is not None:
+            logits.append(result[2].view(batch, h_q, -1))
     out, lse = merge_attention(outs, lses)
     out = out.view(batch, h_kv, s_q, h_q // h_kv, head_dim).transpose(1, 2)
     lse = lse.view(batch, h_kv, s_q, h_q // h_kv).transpose(1, 2)
-    return out.reshape(q.shape).to(q.dtype), lse.reshape(batch, s_q, h_q)
+    out, lse = out.reshape(q.shape).to(q.dtype), lse.reshape(batch, s_q, h_q)
+    return (out, lse) if logits_row is None else (out, lse, torch.cat(logits, dim=-1))

@@ -32,7 +32,7 @@ def quant_logits(
     h_kv = groups.key_codes.shape[1]
     rows = q.float().view(batch, h_kv, h_q // h_kv, head_dim)
     blocks = []
-    for ids, valid in group_blocks(group_table, group_count, fmt, groups.key_codes.shape[0]):
+    for ids, _, valid in group_blocks(group_table, group_count, fmt, groups.key_codes.shape[0]):
         keys = groups._replace(**{f: getattr(groups, f)[ids] for f in _KEY_FIELDS})
         k = dequantize_keys(keys, fmt, torch.float32).unflatten(0, (batch, -1))  # [B, n*G, h, d]
         logits = torch.matmul(rows, k.permute(0, 2, 3, 1)) * scale  # [B, h_kv, g, n * G]
@@ -79,12 +79,16 @@ def mixed_attention(
     slot_tokens: torch.Tensor,
     slot_k: torch.Tensor,
     slot_v: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    logits_row: int | None = None,
+) -> tuple[torch.Tensor, ...]:
     """Attention of q [B, s_q, h_q, d] over each request's quantized tokens with those held
     exact in slots taken from the slots instead: slot_tokens [B, h_kv, k] int32 quantized
     token ids (as in quant_logits; -1 empty slot), slot_k, slot_v [B, h_kv, k, d] their exact
     K/V. -> out [B, s_q, h_q, d] (q's dtype), lse [B, s_q, h_q] fp32, to be merged with the
-    caller's exact part."""
-    quant = ops.quant_attention(q, groups, group_table, group_count, fmt, scale, slot_tokens)
+    caller's exact part; with ``logits_row``, also that row's quant_logits from the same pass
+    (the speculative row's, for the next step's top-k)."""
+    quant = ops.quant_attention(q, groups, group_table, group_count, fmt, scale, slot_tokens,
+                                logits_row)
     exact = attention_with_lse(q, slot_k, slot_v, (slot_tokens >= 0).unsqueeze(2), scale)
-    return merge_attention([quant[0], exact[0]], [quant[1], exact[1]])
+    out, lse = merge_attention([quant[0], exact[0]], [quant[1], exact[1]])
+    return (out, lse) if logits_row is None else (out, lse, quant[2])

@@ -4,7 +4,9 @@ Torch reference of vllm_shadowkv.triton_kernels.quant_kernels.quant_attention (s
 Every query row of a request attends all of its quantized groups (no causal mask among them)
 except the tokens `excluded` names per KV head (SpeCache: those attended from exact copies
 instead): the 16-bit residual is attended separately and merged by LSE
-(attention.merge_attention).
+(attention.merge_attention). With ``logits_row`` the pass also returns that query row's logits
+over every token of the request, excluded or not (SpeCache's top-k for the next step: the keys
+are then dequantized once per step, not twice).
 """
 
 import torch
@@ -23,23 +25,30 @@ def quant_attention(
     fmt: KiviFormat,
     scale: float,
     excluded: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    logits_row: int | None = None,
+) -> tuple[torch.Tensor, ...]:
     """q [B, s_q, h_q, d]; groups: a pool of token groups (kivi.QuantizedGroups, leading dims
     [n_pool, h_kv]); group_table [B, max_groups] int32 pool ids, request b owns the first
     group_count[b] [B] int32 entries (the rest are ignored); excluded [B, h_kv, E] int32
     tokens left out per KV head, token t of table entry j being j * fmt.group + t (-1: none).
     -> out [B, s_q, h_q, d] (q's dtype), lse [B, s_q, h_q] fp32; a request without groups (or
-    with all its tokens excluded) gets out 0 and lse -inf."""
-    batch, head_dim = q.shape[0], q.shape[-1]
+    with all its tokens excluded) gets out 0 and lse -inf. With ``logits_row`` (an index into
+    s_q) also -> logits [B, h_q, max(group_count) * G] fp32 of that row, exclusions ignored, as
+    mixed_attention.quant_logits returns them."""
+    batch, s_q, h_q, head_dim = q.shape
     assert head_dim == fmt.head_dim and group_table.shape[0] == group_count.shape[0] == batch
+    assert logits_row is None or 0 <= logits_row < s_q
     width = int(group_count.max()) if batch else 0
     if width == 0:
         out = torch.zeros_like(q)
-        return out, torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
+        lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
+        if logits_row is None:
+            return out, lse
+        return out, lse, q.new_empty((batch, h_q, 0), dtype=torch.float32)
     q32 = q.float()
-    outs, lses = [], []
-    for ids, valid in group_blocks(group_table, group_count, fmt, groups.key_codes.shape[0],
-                                   excluded):
+    outs, lses, logits = [], [], []
+    for ids, own, valid in group_blocks(group_table, group_count, fmt,
+                                        groups.key_codes.shape[0], excluded):
         k, v = dequantize_groups(QuantizedGroups(*(t[ids] for t in groups)), fmt,
                                  torch.float32)  # [B * n * G, h_kv, d]
         k = k.unflatten(0, (batch, -1)).transpose(1, 2)  # [B, h_kv, n * G, d]
@@ -47,8 +56,14 @@ def quant_attention(
         out, lse = attention_with_lse(q32, k, v, valid.unsqueeze(2), scale)
         outs.append(out)
         lses.append(lse)
+        if logits_row is not None:
+            rows = q32[:, logits_row].unflatten(1, (k.shape[1], -1))  # [B, h_kv, g, d]
+            row_logits = torch.matmul(rows, k.transpose(-1, -2)) * scale
+            logits.append(row_logits.masked_fill(~own.unsqueeze(2), float("-inf")).flatten(1, 2))
     out, lse = merge_attention(outs, lses)
-    return out.to(q.dtype), lse
+    if logits_row is None:
+        return out.to(q.dtype), lse
+    return out.to(q.dtype), lse, torch.cat(logits, dim=-1)
 
 
 def group_blocks(group_table: torch.Tensor, group_count: torch.Tensor, fmt: KiviFormat,
@@ -62,10 +77,11 @@ def group_blocks(group_table: torch.Tensor, group_count: torch.Tensor, fmt: Kivi
     for j0 in range(0, width, block):
         cols = torch.arange(j0, min(j0 + block, width), device=group_table.device)
         ids = group_table[:, cols].long().clamp(0, n_pool - 1).flatten()
-        valid = (cols < group_count.view(-1, 1)).repeat_interleave(fmt.group, dim=1)[:, None]
+        own = (cols < group_count.view(-1, 1)).repeat_interleave(fmt.group, dim=1)[:, None]
+        valid = own
         if excluded is not None:
-            valid = valid & ~excluded_tokens(excluded, j0 * fmt.group, valid.shape[-1])
-        yield ids, valid
+            valid = own & ~excluded_tokens(excluded, j0 * fmt.group, own.shape[-1])
+        yield ids, own, valid
 
 
 def excluded_tokens(excluded: torch.Tensor, start: int, width: int) -> torch.Tensor:

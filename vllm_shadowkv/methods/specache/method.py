@@ -141,16 +141,18 @@ class SpeCacheMethod(MiniKVMethod):
                             layer, self.pages)
         slots = torch.cat([self._slot_tokens[key] for key in keys])  # [n * h, k]
         slot_k, slot_v = self._slot_kv(layer, plans)
-        out_q, lse_q = mixed_attention.mixed_attention(
+        # The guess row's logits come out of the same pass over the low-bit keys.
+        out_q, lse_q, *guess_logits = mixed_attention.mixed_attention(
             per_head, pool, batch.group_table, batch.group_count, self.pages.fmt, layer.scale,
-            slots.view(n * h, 1, -1), slot_k, slot_v)
+            slots.view(n * h, 1, -1), slot_k, slot_v, s_q - 1 if ahead else None)
         out_q = out_q.view(n, h, s_q, g, d).transpose(1, 2).reshape(n, s_q, hq, d)
         lse_q = lse_q.view(n, h, s_q, g).transpose(1, 2).reshape(n, s_q, hq)
         out, _ = merge_attention([out_exact, out_q], [lse_exact, lse_q])
         if ahead:  # the next step's slots, from the guess row, completed at that step
             self._pending.setdefault(layer.index, []).append(self._fetch(
                 layer, reqs, plans,
-                self._wanted(pool, layer, reqs, per_head, lse_exact, batch, s_q - 1)))
+                self._wanted(pool, layer, reqs, per_head, lse_exact, batch, s_q - 1,
+                             guess_logits[0])))
             self._ahead.update(keys)
         else:
             self._ahead.difference_update(keys)
@@ -163,22 +165,27 @@ class SpeCacheMethod(MiniKVMethod):
 
     def _wanted(self, pool, layer: LayerContext, reqs: list[RequestRows],
                 per_head: torch.Tensor, lse_exact: torch.Tensor, batch: BatchPlan,
-                row: int) -> torch.Tensor:
+                row: int, logits: torch.Tensor | None = None) -> torch.Tensor:
         """The top-k fetchable tokens ``[n * h, k]`` of query row ``row`` (per KV head, by its
-        probabilities over the whole context, the exact part's included)."""
+        probabilities over the whole context, the exact part's included), from the row's
+        ``logits`` over the low-bit keys when the attention pass returned them."""
         n, h = len(reqs), self.shapes.num_kv_heads
         g = per_head.shape[2]
         row_lse = lse_exact[:, row].view(n, h, g).reshape(n * h, g)
-        logits = ops.quant_logits(per_head[:, row], pool, batch.group_table,
-                                  batch.group_count, self.pages.fmt, layer.scale)
-        fetchable = torch.tensor([self._fetchable(r.prompt_len) for r in reqs],
-                                 device=per_head.device).repeat_interleave(h).view(-1, 1, 1)
-        folded = torch.arange(logits.shape[-1], device=per_head.device) >= fetchable
-        # Folded generated tokens count in the probabilities but cannot be fetched.
+        if logits is None:
+            logits = ops.quant_logits(per_head[:, row], pool, batch.group_table,
+                                      batch.group_count, self.pages.fmt, layer.scale)
+        # Folded generated tokens count in the probabilities but cannot be fetched. They follow
+        # each request's prompt groups: only the columns past the shortest prompt's are read.
+        fetchable = [self._fetchable(r.prompt_len) for r in reqs]
+        tail = logits[..., min(fetchable):]  # a view: masked in place below
+        folded = torch.arange(tail.shape[-1], device=per_head.device) >= (torch.tensor(
+            fetchable, device=per_head.device) - min(fetchable)).repeat_interleave(h).view(-1, 1, 1)
         other_lse = torch.logaddexp(
-            row_lse, torch.logsumexp(logits.masked_fill(~folded, float("-inf")), dim=-1))
-        return mixed_attention.top_k_tokens(logits.masked_fill(folded, float("-inf")),
-                                            other_lse, 1, self.settings.top_k).view(n * h, -1)
+            row_lse, torch.logsumexp(tail.masked_fill(~folded, float("-inf")), dim=-1))
+        tail.masked_fill_(folded, float("-inf"))
+        return mixed_attention.top_k_tokens(logits, other_lse, 1,
+                                            self.settings.top_k).view(n * h, -1)
 
     def _fetch(self, layer: LayerContext, reqs: list[RequestRows], plans: list[RequestPlan],
                wanted: torch.Tensor) -> SlotFetch:
