@@ -216,7 +216,7 @@ ATTENTION_CASES = [
     (KiviFormat(1, 64, 64, 64, midpoint_one_bit=False), 2, 4, 1, [2, 3]),
     (KiviFormat(2, 16, 128, 16), 2, 8, 2, [1, 6, 0, 2]),
     (KiviFormat(2, 32, 64, 16), 1, 8, 9, [2, 1]),  # 72 query rows: two row blocks
-    (KiviFormat(2, 16, 96, 48), 1, 4, 1, [3, 2]),  # channel groups that do not tile 128
+    (KiviFormat(2, 16, 96, 24), 1, 4, 1, [3, 2]),  # value groups across words, not tiling 128
 ]
 
 
@@ -243,11 +243,13 @@ def test_torch_path_in_blocks(case, dtype, monkeypatch):
 
 
 # Each format and dtype compiles (about 20 s here): bits 1/2/4, GQA 1/4/8, empty requests,
-# query rows 1/2/9.
+# query rows 1/2/9, value groups of 24 channels (the dequantization's loops split at words and
+# value groups).
 @pytest.mark.skipif(not cpu_kernels.available(), reason="inductor needs a C++ compiler")
 @pytest.mark.parametrize("case, dtype", [
     (ATTENTION_CASES[0], torch.float32), (ATTENTION_CASES[1], torch.bfloat16),
-    (ATTENTION_CASES[2], torch.bfloat16), (ATTENTION_CASES[5], torch.bfloat16)],
+    (ATTENTION_CASES[2], torch.bfloat16), (ATTENTION_CASES[5], torch.bfloat16),
+    (ATTENTION_CASES[6], torch.bfloat16)],
     ids=lambda x: _case_id(x) if isinstance(x, tuple) else str(x).removeprefix("torch."))
 def test_compiled_cpu_kernel_in_blocks(case, dtype, monkeypatch):
     batch = len(case[-1])
