@@ -6,6 +6,8 @@ the same context in the same run.
   python benchmarks/bench_quant_attention.py --device cuda --out gpu_results/quant_attention.json
   python benchmarks/bench_quant_attention.py --contexts 4096 --batches 1,2   # CPU smoke run
 
+For the 1-bit format also SpeCache's speculative step (two query rows, the second's logits for
+the next top-k): a separate logits pass against the logits returned by the attention pass.
 Two dense figures: torch SDPA over contiguous 16-bit K/V (its FlashAttention on CUDA), and the
 floor of any dense kernel, the 16-bit K/V bytes at the measured copy bandwidth. Each request
 has its own pages, scattered through the pool as vLLM's block manager leaves them, so a batch
@@ -80,6 +82,14 @@ def bench_point(fmt, context, batch, reps, device, copy_gbps):
         logits_bytes = (batch * per_request * H_KV * fmt.group * fmt.words_per_token * 4
                         + batch * H_Q * context * 4)
         row.update(logits_ms=logits_ms, logits_gbps=logits_bytes / logits_ms / 1e6)
+        # SpeCache's speculative step: two query rows attend, the second's logits pick the
+        # next top-k; a separate logits pass against the one the attention returns.
+        q2 = torch.randn(batch, 2, H_Q, HEAD_DIM, generator=g, device=device).bfloat16()
+        row["spec_two_pass_ms"] = _time_ms(lambda: (
+            ops.quant_attention(q2, pool, table, count, fmt, scale),
+            ops.quant_logits(q2[:, 1], pool, table, count, fmt, scale)), device, reps)
+        row["spec_one_pass_ms"] = _time_ms(lambda: ops.quant_attention(
+            q2, pool, table, count, fmt, scale, None, 1), device, reps)
     if batch == 1:
         out, lse = ops.quant_attention(q, pool, table, count, fmt, scale)
         want, want_lse = reference.quant_attention(q.float(), pool, table, count, fmt, scale)
@@ -146,14 +156,16 @@ def main():
     _plot(results, out.with_suffix(".png"))
     print(f"copy bandwidth: {copy_gbps} GB/s")
     print(f"{'bits':>4} {'ctx':>7} {'B':>3} {'quant ms':>9} {'GB/s':>7} {'sdpa ms':>8} "
-          f"{'floor ms':>8} {'x sdpa':>6} {'x floor':>7} {'logits ms':>9} {'err':>8}")
+          f"{'floor ms':>8} {'x sdpa':>6} {'x floor':>7} {'logits ms':>9} {'2 rows, 2 passes':>16} "
+          f"{'1 pass':>7} {'err':>8}")
     for r in results:
         floor = "-" if r["dense_floor_ms"] is None else f"{r['dense_floor_ms']:.3f}"
         print(f"{r['format'].split('bits=')[1].split(',')[0]:>4} {r['context']:>7} "
               f"{r['batch']:>3} {r['quant_ms']:>9.3f} {r['quant_gbps']:>7.0f} "
               f"{r['dense_sdpa_ms']:>8.3f} {floor:>8} "
               f"{r['speedup_vs_sdpa']:>6.2f} {r.get('speedup_vs_dense_floor', 0):>7.2f} "
-              f"{r.get('logits_ms', 0):>9.3f} {r.get('rel_err_vs_reference', float('nan')):>8.1e}")
+              f"{r.get('logits_ms', 0):>9.3f} {r.get('spec_two_pass_ms', 0):>16.3f} "
+              f"{r.get('spec_one_pass_ms', 0):>7.3f} {r.get('rel_err_vs_reference', float('nan')):>8.1e}")
     print(f"wrote {out}")
 
 
