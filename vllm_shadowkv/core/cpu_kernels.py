@@ -347,14 +347,15 @@ def _dequantized_keys(key_codes, key_scale, key_zero, bits: int) -> torch.Tensor
     return (codes.float() * scale + zero).reshape(rows, n * tokens, words * per_word)
 
 
-def _dequantized_values(value_codes, value_scale, value_zero, bits: int) -> torch.Tensor:
+def _dequantized_values(value_codes, value_scale, value_zero, bits: int,
+                        lanes: int) -> torch.Tensor:
     """codes [R, n, T, W], scale/zero [R, n, T, d / vg] -> values [R, n * T, d] fp32. The
-    innermost loop runs over channels within one word and one value group (as for the keys:
-    an index dividing it made the loop scalar)."""
+    innermost loop runs over ``lanes`` channels, within one word and one value group (as for
+    the keys: an index dividing it made the loop scalar): a constant of the graph, since the
+    sizes it comes from may be symbolic."""
     rows, n, tokens, words = value_codes.shape
     groups = value_scale.shape[-1]
     head_dim = words * 32 // bits
-    lanes = math.gcd(32 // bits, head_dim // groups)
     codes = unpack_codes(value_codes, bits).view(rows, n, tokens, groups, -1, lanes)
     scale = value_scale.float()[..., None, None]
     zero = value_zero.float()[..., None, None]
@@ -362,12 +363,13 @@ def _dequantized_values(value_codes, value_scale, value_zero, bits: int) -> torc
 
 
 @functools.cache
-def _quant_block(bits: int, logits_row: int | None = None):
+def _quant_block(bits: int, value_lanes: int, logits_row: int | None = None):
     """The compiled attention over one block of gathered groups, for ``bits``-bit codes. The
     bit widths must be constants of the graph (``_compiled_per_width``): symbolic (an argument,
     or a closure under ``dynamic=True``) they made the unpacking 10x slower; ``dynamic=None``
-    still makes the sizes dynamic once they change. With ``logits_row`` (a graph constant too)
-    the block also returns that query row's logits."""
+    still makes the sizes dynamic once they change. ``value_lanes``: see
+    ``_dequantized_values``. With ``logits_row`` (a graph constant too) the block also returns
+    that query row's logits."""
 
     def block(q: torch.Tensor, key_codes: torch.Tensor, key_scale: torch.Tensor,
               key_zero: torch.Tensor, value_codes: torch.Tensor, value_scale: torch.Tensor,
@@ -393,7 +395,8 @@ def _quant_block(bits: int, logits_row: int | None = None):
         row_max = torch.where(torch.isinf(row_max), torch.zeros_like(row_max), row_max)
         p = torch.exp(logits - row_max)
         denom = p.sum(-1, keepdim=True)
-        out = torch.matmul(p, _dequantized_values(value_codes, value_scale, value_zero, bits))
+        out = torch.matmul(p, _dequantized_values(value_codes, value_scale, value_zero, bits,
+                                                  value_lanes))
         out = out / denom.clamp_min(torch.finfo(torch.float32).tiny)
         lse = (row_max + torch.log(denom)).view(rows, s_q, group)  # log(0) = -inf: no keys
         if logits_row is None:
@@ -401,7 +404,7 @@ def _quant_block(bits: int, logits_row: int | None = None):
         return out.view(rows, s_q, group, head_dim), lse, row_logits
 
     # rows (requests x KV heads), query rows, groups per block vary; the rest is the format's
-    variant = "" if logits_row is None else f"_row{logits_row}"
+    variant = f"_lanes{value_lanes}" + ("" if logits_row is None else f"_row{logits_row}")
     return _one_graph(_compiled_per_width(block, bits, variant), ((0, 1),) * 9)
 
 
@@ -470,7 +473,9 @@ def quant_attention(q, groups, group_table, group_count, fmt, scale, excluded=No
         picked = [_per_kv_head(field, ids, batch, h_kv) for field in groups]
         valid = valid.expand(batch, h_kv, -1).flatten(0, 1)  # [B * h_kv, n * G]
         own = own.expand(batch, h_kv, -1).flatten(0, 1)
-        result = _quant_block(fmt.bits, logits_row)(rows, *picked, valid, own, scale)
+        # The value loop's lanes: within one word and one value group.
+        lanes = math.gcd(fmt.codes_per_word, fmt.value_group)
+        result = _quant_block(fmt.bits, lanes, logits_row)(rows, *picked, valid, own, scale)
         outs.append(result[0])
         lses.append(result[1])
         if logits_row is not None:
