@@ -334,6 +334,17 @@ def channel_scores(q, keys_cm, channels, key_start, prompt_len, sink, recent, ma
                                                 sink, recent, max_len, _partial_scores)
 
 
+def _codes(words: torch.Tensor, bits: int) -> torch.Tensor:
+    """words [..., W] int32 -> codes [..., W, 32 // bits] fp32. One-bit codes are tested against
+    a vector of constant masks: the 32-lane vector shift inductor emits for them ran 4-8x slower
+    than this (a block's 1-bit keys, 2026-11-27)."""
+    if bits == 1:
+        lanes = torch.arange(32, dtype=torch.int32, device=words.device)
+        masks = torch.bitwise_left_shift(torch.ones_like(lanes), lanes)  # bit 31: the sign bit
+        return ((words.unsqueeze(-1) & masks) != 0).float()
+    return unpack_codes(words, bits).unflatten(-1, (words.shape[-1], -1)).float()
+
+
 def _dequantized_keys(key_codes, key_scale, key_zero, bits: int) -> torch.Tensor:
     """codes [R, n, T, W], scale/zero [R, n, d] -> keys [R, n * T, d] fp32. Computed as
     [R, n, T, W, codes per word] so that inductor's innermost loop runs over one word's codes
@@ -341,10 +352,10 @@ def _dequantized_keys(key_codes, key_scale, key_zero, bits: int) -> torch.Tensor
     (4x slower)."""
     rows, n, tokens, words = key_codes.shape
     per_word = 32 // bits
-    codes = unpack_codes(key_codes, bits).view(rows, n, tokens, words, per_word)
+    codes = _codes(key_codes, bits)  # [R, n, T, W, per_word]
     scale = key_scale.view(rows, n, 1, words, per_word).float()
     zero = key_zero.view(rows, n, 1, words, per_word).float()
-    return (codes.float() * scale + zero).reshape(rows, n * tokens, words * per_word)
+    return (codes * scale + zero).reshape(rows, n * tokens, words * per_word)
 
 
 def _dequantized_values(value_codes, value_scale, value_zero, bits: int,
@@ -356,10 +367,10 @@ def _dequantized_values(value_codes, value_scale, value_zero, bits: int,
     rows, n, tokens, words = value_codes.shape
     groups = value_scale.shape[-1]
     head_dim = words * 32 // bits
-    codes = unpack_codes(value_codes, bits).view(rows, n, tokens, groups, -1, lanes)
+    codes = _codes(value_codes, bits).view(rows, n, tokens, groups, -1, lanes)
     scale = value_scale.float()[..., None, None]
     zero = value_zero.float()[..., None, None]
-    return (codes.float() * scale + zero).reshape(rows, n * tokens, head_dim)
+    return (codes * scale + zero).reshape(rows, n * tokens, head_dim)
 
 
 @functools.cache
