@@ -478,15 +478,16 @@ def quant_attention(q, groups, group_table, group_count, fmt, scale, excluded=No
             *out, q.new_empty((batch, h_q, 0), dtype=torch.float32))
     rows = q.view(batch, s_q, h_kv, h_q // h_kv, head_dim).transpose(1, 2).reshape(
         batch * h_kv, s_q, h_q // h_kv, head_dim)  # one row per (request, KV head)
+    # The value loop's lanes: within one word and one value group.
+    block = _quant_block(fmt.bits, math.gcd(fmt.codes_per_word, fmt.value_group), logits_row)
     outs, lses, logits = [], [], []
     for ids, own, valid in group_blocks(group_table, group_count, fmt,
                                         groups.key_codes.shape[0], excluded):
         picked = [_per_kv_head(field, ids, batch, h_kv) for field in groups]
         valid = valid.expand(batch, h_kv, -1).flatten(0, 1)  # [B * h_kv, n * G]
-        own = own.expand(batch, h_kv, -1).flatten(0, 1)
-        # The value loop's lanes: within one word and one value group.
-        lanes = math.gcd(fmt.codes_per_word, fmt.value_group)
-        result = _quant_block(fmt.bits, lanes, logits_row)(rows, *picked, valid, own, scale)
+        # ``own`` is read only for the logits row: otherwise ``valid`` stands in, uncopied.
+        own = own.expand(batch, h_kv, -1).flatten(0, 1) if logits_row is not None else valid
+        result = block(rows, *picked, valid, own, scale)
         outs.append(result[0])
         lses.append(result[1])
         if logits_row is not None:

@@ -178,9 +178,11 @@ class SpeCacheMethod(MiniKVMethod):
         # Folded generated tokens count in the probabilities but cannot be fetched. They follow
         # each request's prompt groups: only the columns past the shortest prompt's are read.
         fetchable = [self._fetchable(r.prompt_len) for r in reqs]
-        tail = logits[..., min(fetchable):]  # a view: masked in place below
-        folded = torch.arange(tail.shape[-1], device=per_head.device) >= (torch.tensor(
-            fetchable, device=per_head.device) - min(fetchable)).repeat_interleave(h).view(-1, 1, 1)
+        first = min(fetchable)
+        tail = logits[..., first:]  # a view: masked in place below
+        limits = torch.tensor(fetchable, device=per_head.device) - first
+        folded = (torch.arange(tail.shape[-1], device=per_head.device)
+                  >= limits.repeat_interleave(h).view(-1, 1, 1))
         other_lse = torch.logaddexp(
             row_lse, torch.logsumexp(tail.masked_fill(~folded, float("-inf")), dim=-1))
         tail.masked_fill_(folded, float("-inf"))
