@@ -2,16 +2,12 @@
 vLLM's chunked prefill hands them over, as ratios to the exact attention of the same chunks
 through vLLM's CPU kernel (what the default backend's prefill runs), in one run:
 
-* minikv: what MiniKV's prefill runs per chunk: the exact attention through torch's flash kernel,
-  which also gives each row's LSE (vLLM's does not), then the H2O column sums from that LSE
-  (core/heavy_hitters.accumulate_column_sums, a transposed flash pass per query group);
-* column sums alone, their rows' LSE from a pass of their own (where the caller has none);
+* minikv: what MiniKV's prefill runs per chunk: on the CPU the exact attention through vLLM's
+  kernel (no LSE), then the H2O column sums in bf16 GEMM tiles that normalise their own rows
+  (core/heavy_hitters.gemm_column_sums); on CUDA the engine's paged Triton kernel, which gives
+  each row's LSE with the output, then the column sums' Triton kernel from that LSE;
+* column sums alone (on CUDA with their rows' LSE from a pass of their own);
 * the explicit fp32 tiles (chunk_column_sums_reference, the reference).
-
-With ``--device cuda`` the exact attention is the engine's CUDA path, the paged Triton kernel
-(triton_kernels/prefill_kernels.py, which also gives each row's LSE), and the column sums are
-the Triton kernel of triton_kernels/heavy_hitter_kernels.py; "minikv" is again the attention with
-its LSE, then the column sums from it.
 
   python benchmarks/bench_heavy_hitters.py --out benchmarks/heavy_hitters/cpu.json
   python benchmarks/bench_heavy_hitters.py --device cuda --lengths 16384,32768 --reps 3
@@ -28,7 +24,6 @@ from tqdm import tqdm
 
 from vllm_shadowkv.backend.exact_attention import causal_attention
 from vllm_shadowkv.core import ops
-from vllm_shadowkv.core.attention import causal_attention_cpu
 from vllm_shadowkv.core.heavy_hitters import accumulate_column_sums, chunk_column_sums_reference
 
 H_Q, H_KV, HEAD_DIM = 32, 8, 128
@@ -55,20 +50,16 @@ def measure(length: int, chunk: int, reps: int, tiles_too: bool, device: torch.d
     pages = torch.stack([k, v], dim=1)[:, None]  # [L, 1, 2, h_kv, d]
     tokens = torch.arange(length, device=device)
 
-    def attention_with_lse(start, end):
-        if device.type == "cpu":
-            return causal_attention_cpu(q[start:end], k[:end], v[:end], scale)
-        return ops.paged_causal_attention(q[start:end], pages, tokens[:end],
-                                          torch.zeros_like(tokens[:end]), scale)
-
     def attend(start, end):
+        """The prefill's exact attention -> its rows' LSE where the kernel gives it."""
         if device.type == "cpu":  # vLLM's kernel: no LSE
             causal_attention(q[start:end], k[:end], v[:end], scale)
-        else:
-            attention_with_lse(start, end)
+            return None
+        return ops.paged_causal_attention(q[start:end], pages, tokens[:end],
+                                          torch.zeros_like(tokens[:end]), scale)[1]
 
     def minikv(start, end):
-        _, lse = attention_with_lse(start, end)
+        lse = attend(start, end)
         sums["total"] = accumulate_column_sums(sums.get("total") if start else None,
                                                q[start:end], k[:end], scale, lse)
 
@@ -111,9 +102,9 @@ def main() -> None:
         tiles = (f"; fp32 tiles {r['fp32_tiles_s']:.2f} s, {r['tiles_ratio']:.2f}x"
                  if r["fp32_tiles_s"] else "")
         print(f"{r['prompt_tokens']:>6} tokens in chunks of {r['chunk_tokens']}: the exact "
-              f"attention {r['attention_s']:.2f} s; minikv's (attention with LSE + column sums) "
-              f"{r['minikv_s']:.2f} s, {r['minikv_ratio']:.2f}x; column sums with their own "
-              f"LSE pass {r['column_sums_s']:.2f} s, {r['ratio']:.2f}x{tiles}")
+              f"attention {r['attention_s']:.2f} s; minikv's (attention + column sums) "
+              f"{r['minikv_s']:.2f} s, {r['minikv_ratio']:.2f}x; column sums alone "
+              f"{r['column_sums_s']:.2f} s, {r['ratio']:.2f}x{tiles}")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         machine = (torch.cuda.get_device_name() if device.type == "cuda"

@@ -3,8 +3,9 @@ layer budgets (core/heavy_hitters.py). Fresh random inputs each test."""
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
-from vllm_shadowkv.core import heavy_hitters, ops
+from vllm_shadowkv.core import cpu_kernels, heavy_hitters, ops
 from vllm_shadowkv.core.attention import causal_attention_cpu
 from vllm_shadowkv.core.heavy_hitters import (accumulate_column_sums, layer_budgets,
                                               select_heavy_hitters)
@@ -22,29 +23,32 @@ def dense_column_sums(q, k, scale):
     return probs.sum(dim=1).view(h_kv, h_q // h_kv, length).sum(dim=1)
 
 
-@pytest.mark.parametrize("impl", ["flash", "tiles", "triton"])
+@pytest.mark.parametrize("impl", ["gemm", "gemm-eager", "tiles", "triton"])
 @pytest.mark.parametrize("gqa", [1, 4, 8])
 @pytest.mark.parametrize("chunks, head_dim", [([97], 64), ([37, 1, 59], 80), ([64, 33], 128)])
 @pytest.mark.parametrize("given_lse", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_chunked_column_sums_equal_one_pass(impl, gqa, chunks, head_dim, given_lse, dtype,
                                             monkeypatch, kernel_device):
-    """The CPU's flash path, the fp32 tiles and the Triton kernel (what CUDA runs; interpreted
-    on the CPU) against the dense map, with the rows' LSE computed inside or handed over from
-    the prefill's exact attention."""
+    """The CPU's GEMM tiles (compiled, and eager as in "torch" mode), the fp32 tiles and the
+    Triton kernel (what CUDA runs; interpreted on the CPU) against the dense map, with the rows'
+    LSE computed inside or handed over from the prefill's exact attention."""
     if impl == "tiles":
-        monkeypatch.setattr(heavy_hitters, "_chunk_column_sums_cpu",
-                            heavy_hitters.chunk_column_sums_reference)
+        monkeypatch.setattr(heavy_hitters, "gemm_column_sums",
+                            lambda q, k, scale, tile: heavy_hitters.chunk_column_sums_reference(
+                                q, k, scale))
     # Small tiles, so that queries and keys are both split within a chunk.
     monkeypatch.setattr(heavy_hitters, "QUERY_BLOCK", 16)
     monkeypatch.setattr(heavy_hitters, "KEY_BLOCK", 24)
+    monkeypatch.setattr(heavy_hitters, "TILE_BYTES", 2 * 24 * 97 * gqa)
     device = kernel_device if impl == "triton" else torch.device("cpu")
+    mode = {"triton": "triton", "gemm-eager": "torch"}.get(impl, "auto")
     h_kv, length = 2, sum(chunks)
     q = torch.randn(length, h_kv * gqa, head_dim).to(dtype)
     k = torch.randn(length, h_kv, head_dim).to(dtype)
     scale = head_dim ** -0.5
     col_sums, start = None, 0
-    with ops.kernel_mode("triton" if impl == "triton" else "auto"):
+    with ops.kernel_mode(mode):
         for n in chunks:
             lse = causal_attention_cpu(q[start:start + n], k[:start + n], k[:start + n],
                                        scale)[1].to(device) if given_lse else None
@@ -53,10 +57,35 @@ def test_chunked_column_sums_equal_one_pass(impl, gqa, chunks, head_dim, given_l
             start += n
             assert col_sums.shape == (h_kv, start) and col_sums.dtype == torch.float32
     want = dense_column_sums(q, k, scale)
-    torch.testing.assert_close(col_sums.cpu(), want, atol=1e-4, rtol=1e-4)
+    # bf16 GEMM logits: each rounded to 2^-9 of its distance from the row's centring.
+    tol = 2e-3 if impl.startswith("gemm") and dtype == torch.bfloat16 else 1e-4
+    torch.testing.assert_close(col_sums.cpu(), want, atol=tol, rtol=tol)
     # Every query row's probabilities sum to 1.
     torch.testing.assert_close(col_sums.sum(dim=-1).cpu(),
                                torch.full((h_kv,), length * gqa * 1.0), rtol=1e-5, atol=0)
+
+
+def test_gemm_tiles_redo_the_rows_whose_estimate_falls_short():
+    """A key far above every key of the later rows' centring samples (their first and latest
+    keys): those rows are done again, centred on their maxima, and the sums stay exact to the
+    rounding of logits near 0."""
+    length, head_dim, group = 300, 64, 4
+    needle = torch.randn(head_dim)
+    q = torch.randn(length, group, head_dim)
+    q[151:] += needle  # the later rows all look for it
+    q = q.bfloat16()
+    k = torch.randn(length, 1, head_dim).bfloat16()
+    k[150] = (needle * 1.5).bfloat16()  # its logit ~12 above the rows' others (scaled)
+    scale = head_dim ** -0.5
+    rows = []
+
+    def tile(logits, positions, scale):
+        rows.append(len(positions))
+        return heavy_hitters.column_sum_tile(logits, positions, scale)
+
+    got = heavy_hitters.gemm_column_sums(q, k, scale, tile)
+    assert sum(rows) > length * group  # some rows again (and their first sums taken out)
+    torch.testing.assert_close(got, dense_column_sums(q, k, scale), atol=2e-3, rtol=2e-3)
 
 
 def test_selection_per_kv_head_from_group_sums():
@@ -104,3 +133,23 @@ def test_pyramid_budgets():
     assert budgets[8] == pytest.approx(0.3537, abs=1e-4)
     assert layer_budgets(5, 0.1, policy="uniform") == [0.1] * 5
     assert layer_budgets(1, 0.3) == [0.3]
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="needs a C++ compiler (torch.compile)")
+def test_compiled_tile_is_one_graph_for_every_size():
+    """The warm-up's short prompts compile the tile that a 16K prompt and a single row done
+    again use too: nothing compiles while serving."""
+    torch._dynamo.reset()
+
+    def tile(rows, keys):
+        logits = torch.randn(rows, keys).bfloat16()
+        positions = torch.arange(keys - rows, keys)
+        got = cpu_kernels.column_sum_tile(logits, positions, 0.125)
+        want = heavy_hitters.column_sum_tile(logits, positions, 0.125)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+    tile(96, 600)
+    compiled = counters["stats"]["unique_graphs"]
+    for rows, keys in ((1, 700), (300, 9000), (5000, 5100)):
+        tile(rows, keys)
+    assert counters["stats"]["unique_graphs"] == compiled == 1

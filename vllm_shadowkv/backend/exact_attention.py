@@ -118,9 +118,10 @@ def exact_attention(kv_cache, layout: PageLayout, prompt_len: int, block_ids, se
                     query: torch.Tensor, scale: float, with_lse: bool = False
                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A request's causal attention over its exact pages -> (out, lse): lse ``[h_kv, G, q]``
-    fp32 only if ``with_lse``, else None. Where the Triton kernels run (CUDA), one kernel reads
-    the pages in place and gives the LSE with the output; on the CPU the tokens are gathered
-    for vLLM's kernel, or for torch's flash kernel when the LSE is wanted (vLLM's gives none)."""
+    fp32 if ``with_lse`` and the kernel gives it, else None. Where the Triton kernels run
+    (CUDA), one kernel reads the pages in place and gives the LSE with the output; on the CPU
+    the tokens are gathered for vLLM's kernel, which gives none (torch's flash kernel would, at
+    2.3x its time: the methods' own passes are cheaper)."""
     positions = torch.arange(seq_len, device=query.device)
     if ops.uses_triton(query):
         blocks, slots = layout.exact_token_slots(prompt_len, block_ids, positions)
@@ -128,6 +129,4 @@ def exact_attention(kv_cache, layout: PageLayout, prompt_len: int, block_ids, se
                                               slots, scale)
         return out, lse if with_lse else None
     key, value = read_exact(kv_cache, layout, prompt_len, block_ids, positions)
-    if with_lse and query.device.type == "cpu":
-        return causal_attention_cpu(query, key, value, scale)
     return causal_attention(query, key, value, scale), None

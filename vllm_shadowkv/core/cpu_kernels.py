@@ -1,8 +1,9 @@
-"""CPU kernels of the decode steps' compute-heavy stages, compiled by torch.compile (inductor's
+"""CPU kernels of the compute-heavy stages of decode (and of MiniKV's prefill scores), compiled by torch.compile (inductor's
 C++ backend), with the signatures of their torch references in select.py, reconstruct.py,
 quant_attention.py (attention over KIVI groups: each bounded block dequantized in one fused
 pass, QK^T and PV as GEMMs), mixed_attention.py (one row's logits over KIVI keys, SpeCache's
-top-k) and critical_channels.py (TailorKV's partial scores).
+top-k), critical_channels.py (TailorKV's partial scores) and heavy_hitters.py (a tile of
+MiniKV's column sums).
 
 Eager torch spends these stages copying: the landmarks converted to fp32 and permuted before
 a matmul with four columns, the missed A rows gathered by advanced indexing, RoPE as a dozen
@@ -25,7 +26,7 @@ import types
 import torch
 from torch.fx.experimental import _config as fx_config
 
-from . import critical_channels, reconstruct
+from . import critical_channels, heavy_hitters, reconstruct
 from .kivi import unpack_codes
 from .rope import RopeCache, apply_rope
 
@@ -332,6 +333,22 @@ def _partial_scores(q_crit: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
 def channel_scores(q, keys_cm, channels, key_start, prompt_len, sink, recent, max_len):
     return critical_channels.scores_per_request(q, keys_cm, channels, key_start, prompt_len,
                                                 sink, recent, max_len, _partial_scores)
+
+
+_compiled_column_sum_tile = torch.compile(heavy_hitters.column_sum_tile, dynamic=None,
+                                          fullgraph=True)
+
+
+def column_sum_tile(logits, positions, scale):
+    """The mask, max, exp and both reductions of a tile of MiniKV's column sums in one loop nest
+    over the GEMM's 16-bit logits (eager: five passes over fp32 copies). Its sizes are unbacked
+    symbols: one graph for every tile. Backed, they were specialised at 1 (one row done again)
+    and guarded at 4096 (inductor's accumulation helper for longer reductions): a prompt longer
+    than the warm-up's compiled again while serving."""
+    for tensor, dims in ((logits, (0, 1)), (positions, (0,))):
+        for dim in dims:
+            torch._dynamo.decorators.mark_unbacked(tensor, dim)
+    return _compiled_column_sum_tile(logits, positions, scale)
 
 
 def _codes(words: torch.Tensor, bits: int) -> torch.Tensor:

@@ -132,13 +132,15 @@ def quant_logits(q, groups, group_table, group_count, fmt, scale):
 
 
 def column_sums(q, k, scale, lse=None):
-    """One prefill chunk's H2O column sums. CPU tensors outside "triton" mode go through torch's
-    flash kernel (``heavy_hitters._chunk_column_sums_cpu``) in "auto" and "torch" alike."""
+    """One prefill chunk's H2O column sums. The Triton kernel takes the rows' LSE where the
+    engine's paged prefill kernel gave it; the CPU's GEMM tiles normalise their rows themselves
+    (``heavy_hitters.gemm_column_sums``), compiled in "auto", eager in "torch"."""
     if _use_triton(q):
         return _kernels("heavy_hitter_kernels").chunk_column_sums(q, k, scale, lse)
-    impl = (heavy_hitters._chunk_column_sums_cpu if q.device.type == "cpu"
-            else heavy_hitters.chunk_column_sums_reference)
-    return impl(q, k, scale, lse)
+    if q.device.type != "cpu":
+        return heavy_hitters.chunk_column_sums_reference(q, k, scale, lse)
+    tile = cpu_kernels.column_sum_tile if compiled_cpu(q) else heavy_hitters.column_sum_tile
+    return heavy_hitters.gemm_column_sums(q, k, scale, tile)
 
 
 def paged_causal_attention(query, kv, blocks, slots, scale):

@@ -169,10 +169,9 @@ class KVMethod(ABC):
     name: ClassVar[str]
     settings_cls: ClassVar[type[EngineSettings]]
     needs_rope: ClassVar[bool] = False  # refuse models without RoPE in every layer
-    # Whether ``prefill_chunk`` wants the exact attention's LSE per query row: the engine then
-    # runs the prefill through a kernel that gives it (on the CPU, torch's flash kernel instead
-    # of vLLM's, which does not; on CUDA the paged Triton kernel, which always does) rather
-    # than the method paying an attention pass of its own.
+    # Whether ``prefill_chunk`` wants the exact attention's LSE per query row where the
+    # prefill's kernel gives it (CUDA's paged Triton kernel; vLLM's CPU kernel does not, and
+    # the method then pays a pass of its own).
     needs_prefill_lse: ClassVar[bool] = False
     capacity_claim: ClassVar[tuple[dict[str, Any], float]]
     """The method's capacity claim: with these settings, at Llama-3.1-8B attention shapes and
