@@ -339,16 +339,15 @@ _compiled_column_sum_tile = torch.compile(heavy_hitters.column_sum_tile, dynamic
                                           fullgraph=True)
 
 
-def column_sum_tile(logits, positions, scale):
-    """The mask, max, exp and both reductions of a tile of MiniKV's column sums in one loop nest
-    over the GEMM's 16-bit logits (eager: five passes over fp32 copies). Its sizes are unbacked
-    symbols: one graph for every tile. Backed, they were specialised at 1 (one row done again)
-    and guarded at 4096 (inductor's accumulation helper for longer reductions): a prompt longer
-    than the warm-up's compiled again while serving."""
-    for tensor, dims in ((logits, (0, 1)), (positions, (0,))):
-        for dim in dims:
-            torch._dynamo.decorators.mark_unbacked(tensor, dim)
-    return _compiled_column_sum_tile(logits, positions, scale)
+def column_sum_tile(logits, scale):
+    """The max, exp and reductions of a tile of MiniKV's column sums compiled over the GEMM's
+    16-bit logits (eager: five passes over fp32 copies). Its sizes are unbacked symbols: one
+    graph for every tile. Backed, they were specialised at 1 (one row done again) and guarded at
+    4096 (inductor's accumulation helper for longer reductions): a prompt longer than the
+    warm-up's compiled again while serving."""
+    torch._dynamo.decorators.mark_unbacked(logits, 0)
+    torch._dynamo.decorators.mark_unbacked(logits, 1)
+    return _compiled_column_sum_tile(logits, scale)
 
 
 def _codes(words: torch.Tensor, bits: int) -> torch.Tensor:

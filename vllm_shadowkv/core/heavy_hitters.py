@@ -88,14 +88,12 @@ RECENTRE_ABOVE = 2.0  # a row whose largest logit (scaled) exceeds its estimate 
 SAMPLE_FIRST, SAMPLE_RECENT = 16, 64
 
 
-def column_sum_tile(logits: torch.Tensor, positions: torch.Tensor, scale: float
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
+def column_sum_tile(logits: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """One tile's column sums. logits [rows, keys]: q_i . k_j - m_i (m_i an estimate of row
-    i's largest), row i's token at ``positions[i]`` seeing the keys up to it. -> (the rows'
-    softmax summed over the rows [keys] fp32, each row's largest scaled centred logit [rows]:
-    how far its estimate fell short). Compiled in cpu_kernels."""
-    visible = torch.arange(logits.shape[1], device=logits.device) <= positions.unsqueeze(1)
-    x = torch.where(visible, logits.float() * scale, float("-inf"))
+    i's largest; -inf where the key is not visible) -> (the rows' softmax summed over the rows
+    [keys] fp32, each row's largest scaled centred logit [rows]: how far its estimate fell
+    short). Compiled in cpu_kernels."""
+    x = logits.float() * scale
     top = x.amax(dim=1, keepdim=True)
     p = torch.exp(x - top)
     return (p / p.sum(dim=1, keepdim=True)).sum(dim=0), top.squeeze(1)
@@ -139,15 +137,22 @@ def gemm_column_sums(q: torch.Tensor, k: torch.Tensor, scale: float, tile=column
         for i0 in range(0, n, tokens):
             i1 = min(n, i0 + tokens)
             block, visible = rows[i0 * group:i1 * group], keys[:start + i1]
-            at = row_positions[i0 * group:i1 * group]
-            logits = block @ visible.T
-            sums, top = tile(logits, at, scale)
+            own = torch.arange(start + i0, start + i1, device=q.device)  # the tile's keys
+            future = own > row_positions[i0 * group:i1 * group].unsqueeze(1)
+
+            def logits_of(block, future):
+                logits = block @ visible.T
+                logits[:, start + i0:].masked_fill_(future, float("-inf"))
+                return logits
+
+            logits = logits_of(block, future)
+            sums, top = tile(logits, scale)
             short = (top.abs() > RECENTRE_ABOVE).nonzero().squeeze(1)
             if len(short):  # those rows again: out with their first sums, in with the new
                 again = block[short]
                 again[:, head_dim] -= top[short] / scale
-                sums -= tile(logits[short], at[short], scale)[0]
-                sums += tile(again @ visible.T, at[short], scale)[0]
+                sums -= tile(logits[short], scale)[0]
+                sums += tile(logits_of(again, future[short]), scale)[0]
             total[h, :start + i1] += sums
     return total
 
