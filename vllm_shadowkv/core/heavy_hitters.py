@@ -12,8 +12,9 @@ KV head's group, all their keys) is one 16-bit GEMM whose logits come out centre
 channel subtracts an estimate of each row's largest logit inside the GEMM, so the bf16 output
 rounds each logit to 2^-9 of its distance from that estimate, not of its size. The tile then
 normalises its rows itself (their LSE is not needed from the prefill, whose attention runs
-through vLLM's kernel, which gives none). About 1.4x vLLM's attention of the same chunks, where
-the LSE from torch's flash kernel and a transposed flash pass cost 4.9x
+through vLLM's kernel, which gives none). At Llama-3.1-8B shapes they cost 1.2-1.5x vLLM's
+attention of the same chunks: MiniKV's prefill attention work 2.1-2.6x the default's, where
+torch's flash kernel with the LSE and a transposed flash pass for the sums cost 4.4-5.3x
 (benchmarks/bench_heavy_hitters.py). On CUDA (and in "triton" kernel mode) a Triton kernel takes
 them (triton_kernels/heavy_hitter_kernels.py) with the LSE the engine's paged prefill kernel
 gives; the reference takes the logits in fp32 tiles of QUERY_BLOCK x KEY_BLOCK:
