@@ -34,9 +34,8 @@ compressed token costs the same fraction of an exact one), chunk 8, sparse budge
 compressed and decoded sparsely). Other methods take ``--settings`` (JSON, their own keys;
 ``min_sparse_len`` comes from its flag).
 
-On the CPU the methods run the flash kernel of torch for exact attention and the compiled CPU
-kernels (core/cpu_kernels.py) for their decode; the default backend is vLLM's C++ CPU_ATTN
-kernel. CPU timings say nothing about GPU speed.
+On the CPU the methods' exact attention runs vLLM's C++ CPU_ATTN kernel, as the default backend
+does, and their decode the compiled CPU kernels (core/cpu_kernels.py). CPU timings say nothing about GPU speed.
 Writes benchmarks/throughput/throughput.json and throughput.png.
 """
 
