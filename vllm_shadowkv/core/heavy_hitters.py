@@ -100,60 +100,66 @@ def column_sum_tile(logits: torch.Tensor, scale: float) -> tuple[torch.Tensor, t
     return (p / p.sum(dim=1, keepdim=True)).sum(dim=0), top.squeeze(1)
 
 
+def _estimated_maxima(queries: torch.Tensor, keys: torch.Tensor, start: int) -> torch.Tensor:
+    """Each query row's largest logit over its SAMPLE_FIRST first and SAMPLE_RECENT latest keys
+    (unscaled): queries [n, G, d] at positions [start, start + n), keys [start + n, d] -> [n, G]."""
+    n, _, head_dim = queries.shape
+    positions = torch.arange(start, start + n, device=keys.device).unsqueeze(1)
+    first = keys[:SAMPLE_FIRST]
+    unseen = torch.arange(len(first), device=keys.device) > positions  # [n, first]
+    from_first = torch.matmul(queries, first.T).masked_fill(unseen.unsqueeze(1), float("-inf"))
+    # Each token's recent window as a view: the keys padded in front with copies of the first
+    # (visible to every row), token i's window ending at its own key.
+    padded = torch.cat([keys[:1].expand(SAMPLE_RECENT - 1, -1), keys])
+    recent = padded.as_strided((n, SAMPLE_RECENT, head_dim), (head_dim, head_dim, 1),
+                               start * head_dim)
+    return torch.maximum(from_first.amax(-1),
+                         torch.matmul(queries, recent.transpose(1, 2)).amax(-1))
+
+
+def _causal_logits(rows: torch.Tensor, keys: torch.Tensor, future: torch.Tensor
+                   ) -> torch.Tensor:
+    """rows @ keys.T, the last ``future.shape[1]`` keys (the tile's own tokens) at -inf where
+    ``future`` [rows, own] says the row's token comes before them."""
+    logits = rows @ keys.T
+    logits[:, len(keys) - future.shape[1]:].masked_fill_(future, float("-inf"))
+    return logits
+
+
 def gemm_column_sums(q: torch.Tensor, k: torch.Tensor, scale: float, tile=column_sum_tile
                      ) -> torch.Tensor:
     """``chunk_column_sums_reference`` (without the LSE: each tile holds whole rows and
     normalises them) in one GEMM per tile, in bf16 where q and k are (fp32 otherwise: CPUs
     without native fp16 GEMMs run them 20x slower). Each row's logits are centred in the GEMM
-    by a last channel: -m_i against a key channel of ones, m_i the row's largest logit over
-    its SAMPLE_FIRST first and SAMPLE_RECENT latest keys; the rows whose largest logit lies
-    more than RECENTRE_ABOVE above it are done again, centred on the maxima found."""
+    by a last channel: -m_i against a key channel of ones, m_i ``_estimated_maxima``; the rows
+    whose largest logit lies more than RECENTRE_ABOVE from it are done again, centred on the
+    maxima found."""
     n, h_q, head_dim = q.shape
     length, h_kv, _ = k.shape
     group, start = h_q // h_kv, length - n
     dtype = torch.bfloat16 if q.dtype == k.dtype == torch.bfloat16 else torch.float32
     tokens = max(1, TILE_BYTES // (group * length * 2))
     total = torch.zeros(h_kv, length, device=q.device)
-    positions = torch.arange(start, length, device=q.device).unsqueeze(1)
-    first = min(SAMPLE_FIRST, length)
-    unseen = torch.arange(first, device=q.device) > positions  # [n, first]
-    row_positions = positions.expand(n, group).flatten()  # rows token-major
+    row_positions = torch.arange(start, length, device=q.device).repeat_interleave(group)
     for h in range(h_kv):
         keys = k.new_ones(length, head_dim + 1, dtype=dtype)
         keys[:, :head_dim] = k[:, h]
         queries = q[:, h * group:(h + 1) * group].to(dtype)  # [n, G, d]
-        rows = torch.cat([queries, queries.new_empty(n, group, 1)], dim=-1)
-        # Each token's recent window as a view: the keys padded in front with copies of the
-        # first (visible to every row), row i's window ending at its own key.
-        padded = torch.cat([keys[:1, :head_dim].expand(SAMPLE_RECENT - 1, -1),
-                            keys[:, :head_dim]])
-        recent = padded.as_strided((n, SAMPLE_RECENT, head_dim), (head_dim, head_dim, 1),
-                                   start * head_dim)
-        estimate = torch.maximum(
-            torch.matmul(queries, recent.transpose(1, 2)).amax(-1),
-            torch.matmul(queries, keys[:first, :head_dim].T).masked_fill(
-                unseen.unsqueeze(1), float("-inf")).amax(-1))
-        rows[..., head_dim] = -estimate
-        rows = rows.flatten(0, 1)  # [n * G, d + 1]
+        rows = torch.cat([queries, -_estimated_maxima(queries, keys[:, :head_dim], start)
+                          .unsqueeze(-1).to(dtype)], dim=-1).flatten(0, 1)  # token-major
         for i0 in range(0, n, tokens):
             i1 = min(n, i0 + tokens)
             block, visible = rows[i0 * group:i1 * group], keys[:start + i1]
-            own = torch.arange(start + i0, start + i1, device=q.device)  # the tile's keys
+            own = torch.arange(start + i0, start + i1, device=q.device)
             future = own > row_positions[i0 * group:i1 * group].unsqueeze(1)
-
-            def logits_of(block, future):
-                logits = block @ visible.T
-                logits[:, start + i0:].masked_fill_(future, float("-inf"))
-                return logits
-
-            logits = logits_of(block, future)
+            logits = _causal_logits(block, visible, future)
             sums, top = tile(logits, scale)
             short = (top.abs() > RECENTRE_ABOVE).nonzero().squeeze(1)
             if len(short):  # those rows again: out with their first sums, in with the new
                 again = block[short]
                 again[:, head_dim] -= top[short] / scale
                 sums -= tile(logits[short], scale)[0]
-                sums += tile(logits_of(again, future[short]), scale)[0]
+                sums += tile(_causal_logits(again, visible, future[short]), scale)[0]
             total[h, :start + i1] += sums
     return total
 
