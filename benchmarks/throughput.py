@@ -35,7 +35,8 @@ compressed and decoded sparsely). Other methods take ``--settings`` (JSON, their
 ``min_sparse_len`` comes from its flag).
 
 On the CPU the methods' exact attention runs vLLM's C++ CPU_ATTN kernel, as the default backend
-does, and their decode the compiled CPU kernels (core/cpu_kernels.py). CPU timings say nothing about GPU speed.
+does, and their decode the compiled CPU kernels (core/cpu_kernels.py). CPU timings say nothing
+about GPU speed.
 Writes benchmarks/throughput/throughput.json and throughput.png.
 """
 
