@@ -48,7 +48,8 @@ def accumulate_column_sums(
     col_sums [h_kv, start] fp32 from the earlier chunks (None for the first); q [n, h_q, d] the
     chunk's queries at positions [start, start + n); k [start + n, h_kv, d] all keys so far;
     lse [h_kv, G, n] fp32 the chunk's causal attention LSE per query row, if the caller has
-    it (else computed here). -> [h_kv, start + n] fp32.
+    it (the Triton kernel uses it; the CPU's GEMM tiles normalise their rows themselves).
+    -> [h_kv, start + n] fp32.
     """
     from . import ops  # (imported here: ops dispatches to this module's implementations)
 
