@@ -220,6 +220,11 @@ ATTENTION_CASES = [
 ]
 
 
+def _two_group_blocks(monkeypatch, fmt, h_kv, batch):
+    """Blocks of two groups per request: several per batch."""
+    monkeypatch.setattr(torch_path, "BLOCK_BYTES", 2 * fmt.group * batch * h_kv * fmt.head_dim * 4)
+
+
 def _check_attention(impl, case, dtype, device="cpu"):
     fmt, h_kv, gqa, s_q, counts = case
     q, pool, table, count = _batch(fmt, h_kv, gqa, s_q, counts, dtype, device)
@@ -237,8 +242,7 @@ def _check_attention(impl, case, dtype, device="cpu"):
 @pytest.mark.parametrize("case", ATTENTION_CASES, ids=_case_id)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_torch_path_in_blocks(case, dtype, monkeypatch):
-    batch = len(case[-1])
-    monkeypatch.setattr(torch_path, "BLOCK_TOKENS", 2 * case[0].group * batch)  # several blocks
+    _two_group_blocks(monkeypatch, case[0], case[1], len(case[-1]))
     _check_attention(torch_path.quant_attention, case, dtype)
 
 
@@ -252,8 +256,7 @@ def test_torch_path_in_blocks(case, dtype, monkeypatch):
     (ATTENTION_CASES[6], torch.bfloat16)],
     ids=lambda x: _case_id(x) if isinstance(x, tuple) else str(x).removeprefix("torch."))
 def test_compiled_cpu_kernel_in_blocks(case, dtype, monkeypatch):
-    batch = len(case[-1])
-    monkeypatch.setattr(torch_path, "BLOCK_TOKENS", 2 * case[0].group * batch)  # several blocks
+    _two_group_blocks(monkeypatch, case[0], case[1], len(case[-1]))
     _check_attention(cpu_kernels.quant_attention, case, dtype)
 
 

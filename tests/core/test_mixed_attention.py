@@ -12,7 +12,7 @@ from vllm_shadowkv.core.attention import attention_with_lse_reference, merge_att
 from vllm_shadowkv.core.kivi import KiviFormat, QuantizedGroups, dequantize_groups, quantize_groups
 from vllm_shadowkv.core.mixed_attention import mixed_attention, quant_logits, top_k_tokens
 
-from test_kivi import quant_kernels  # imported there interpreted on a CPU-only machine
+from test_kivi import _two_group_blocks, quant_kernels  # imported there interpreted on a CPU-only machine
 
 
 class Requests:
@@ -112,7 +112,7 @@ def _device(impl, kernel_device):
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
 def test_quant_attention_with_excluded_tokens(impl, case, kernel_device, monkeypatch):
     fmt, h_kv, gqa, s_q, counts, k = case
-    monkeypatch.setattr(torch_path, "BLOCK_TOKENS", 2 * fmt.group * len(counts))  # 2-group blocks
+    _two_group_blocks(monkeypatch, fmt, h_kv, len(counts))
     r = Requests(fmt, h_kv, gqa, s_q, counts, torch.bfloat16, _device(impl, kernel_device))
     excluded = r.random_tokens(k)
     out, lse = IMPLS[impl](r.q, r.pool, r.table, r.count, fmt, r.scale, excluded)
@@ -197,7 +197,7 @@ def test_mixed_attention_equals_the_mixed_cache(impl, case, kernel_device):
 @pytest.mark.parametrize("case", MIXED_CASES, ids=_case_id)
 def test_quant_logits_and_top_k_match_brute_force(impl, case, kernel_device, monkeypatch):
     fmt, h_kv, gqa, _, counts, k = case
-    monkeypatch.setattr(torch_path, "BLOCK_TOKENS", 2 * fmt.group * len(counts))  # 2-group blocks
+    _two_group_blocks(monkeypatch, fmt, h_kv, len(counts))
     r = Requests(fmt, h_kv, gqa, 1, counts, torch.bfloat16, _device(impl, kernel_device))
     row = r.q[:, 0]  # [B, h_q, d]
     with ops.kernel_mode(KERNEL_MODES[impl]):
@@ -237,7 +237,7 @@ def test_logits_row_from_the_attention_pass(impl, case, kernel_device, monkeypat
     logits over every token (the excluded ones included), equal to quant_logits of that row,
     and leaves the attention itself unchanged."""
     fmt, h_kv, gqa, s_q, counts, k = case
-    monkeypatch.setattr(torch_path, "BLOCK_TOKENS", 2 * fmt.group * len(counts))  # 2-group blocks
+    _two_group_blocks(monkeypatch, fmt, h_kv, len(counts))
     r = Requests(fmt, h_kv, gqa, s_q, counts, torch.bfloat16, _device(impl, kernel_device))
     excluded = r.random_tokens(k)
     plain = IMPLS[impl](r.q, r.pool, r.table, r.count, fmt, r.scale, excluded)

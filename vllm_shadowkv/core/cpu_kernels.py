@@ -374,9 +374,10 @@ def _dequantized_keys(key_codes, key_scale, key_zero, bits: int) -> torch.Tensor
     return (codes * scale + zero).reshape(rows, n * tokens, words * per_word)
 
 
-def _dequantized_values(value_codes, value_scale, value_zero, bits: int,
-                        lanes: int) -> torch.Tensor:
-    """codes [R, n, T, W], scale/zero [R, n, T, d / vg] -> values [R, n * T, d] fp32. The
+def _dequantized_values(value_codes, value_scale, value_zero, bits: int, lanes: int,
+                        dtype: torch.dtype) -> torch.Tensor:
+    """codes [R, n, T, W], scale/zero [R, n, T, d / vg] -> values [R, n * T, d] in ``dtype``
+    (converted before the reshape: after it, the loop over d went scalar). The
     innermost loop runs over ``lanes`` channels, within one word and one value group (as for
     the keys: an index dividing it made the loop scalar): a constant of the graph, since the
     sizes it comes from may be symbolic."""
@@ -386,17 +387,20 @@ def _dequantized_values(value_codes, value_scale, value_zero, bits: int,
     codes = _codes(value_codes, bits).view(rows, n, tokens, groups, -1, lanes)
     scale = value_scale.float()[..., None, None]
     zero = value_zero.float()[..., None, None]
-    return (codes * scale + zero).reshape(rows, n * tokens, head_dim)
+    return (codes * scale + zero).to(dtype).reshape(rows, n * tokens, head_dim)
 
 
 @functools.cache
-def _quant_block(bits: int, value_lanes: int, logits_row: int | None = None):
+def _quant_block(bits: int, value_lanes: int, logits_row: int | None = None,
+                 bf16_values: bool = False):
     """The compiled attention over one block of gathered groups, for ``bits``-bit codes. The
     bit widths must be constants of the graph (``_compiled_per_width``): symbolic (an argument,
     or a closure under ``dynamic=True``) they made the unpacking 10x slower; ``dynamic=None``
     still makes the sizes dynamic once they change. ``value_lanes``: see
     ``_dequantized_values``. With ``logits_row`` (a graph constant too) the block also returns
-    that query row's logits."""
+    that query row's logits. ``bf16_values``: P and V multiply in bf16 (fp32 accumulation,
+    as FlashAttention multiplies them; the logits stay fp32), where the CPU's bf16 GEMM is the
+    faster: 1.1-1.9x the block at 8K-16K tokens (benchmarks/RESULTS.md)."""
 
     def block(q: torch.Tensor, key_codes: torch.Tensor, key_scale: torch.Tensor,
               key_zero: torch.Tensor, value_codes: torch.Tensor, value_scale: torch.Tensor,
@@ -405,10 +409,10 @@ def _quant_block(bits: int, value_lanes: int, logits_row: int | None = None):
         scale/zero [R, n, d], value scale/zero [R, n, T, d / vg]; valid [R, n * T] the keys
         attended, own [R, n * T] the row's tokens (excluded ones too). -> out [R, s, g, d] fp32,
         lse [R, s, g] (and with ``logits_row`` its logits [R, g, n * T], -inf where not own).
-        One fused pass unpacks and dequantizes the block's K (then V) to fp32, and QK^T and PV
-        are GEMMs: 2.2-3x the broadcast sums that never wrote the dequantized block (inductor
+        One fused pass unpacks and dequantizes the block's K (then V), and QK^T and PV are
+        GEMMs: 2.2-3x the broadcast sums that never wrote the dequantized block (inductor
         ran those at about 2 GFLOP/s without AVX-512). The block is bounded
-        (quant_attention.BLOCK_TOKENS), never the whole context."""
+        (quant_attention.BLOCK_BYTES), never the whole context."""
         rows, n, tokens, _ = key_codes.shape
         s_q, group, head_dim = q.shape[1:]
         k = _dequantized_keys(key_codes, key_scale, key_zero, bits)
@@ -422,8 +426,9 @@ def _quant_block(bits: int, value_lanes: int, logits_row: int | None = None):
         row_max = torch.where(torch.isinf(row_max), torch.zeros_like(row_max), row_max)
         p = torch.exp(logits - row_max)
         denom = p.sum(-1, keepdim=True)
-        out = torch.matmul(p, _dequantized_values(value_codes, value_scale, value_zero, bits,
-                                                  value_lanes))
+        dtype = torch.bfloat16 if bf16_values else torch.float32
+        v = _dequantized_values(value_codes, value_scale, value_zero, bits, value_lanes, dtype)
+        out = torch.matmul(p.to(dtype), v).float()
         out = out / denom.clamp_min(torch.finfo(torch.float32).tiny)
         lse = (row_max + torch.log(denom)).view(rows, s_q, group)  # log(0) = -inf: no keys
         if logits_row is None:
@@ -431,7 +436,8 @@ def _quant_block(bits: int, value_lanes: int, logits_row: int | None = None):
         return out.view(rows, s_q, group, head_dim), lse, row_logits
 
     # rows (requests x KV heads), query rows, groups per block vary; the rest is the format's
-    variant = f"_lanes{value_lanes}" + ("" if logits_row is None else f"_row{logits_row}")
+    variant = (f"_lanes{value_lanes}" + ("" if logits_row is None else f"_row{logits_row}")
+               + ("_bf16" if bf16_values else ""))
     return _one_graph(_compiled_per_width(block, bits, variant), ((0, 1),) * 9)
 
 
@@ -467,7 +473,7 @@ def quant_logits(q, groups, group_table, group_count, fmt, scale):
     h_kv = groups.key_codes.shape[1]
     rows = q.reshape(batch * h_kv, h_q // h_kv, head_dim)  # one row per (request, KV head)
     blocks = []
-    for ids, _, valid in group_blocks(group_table, group_count, fmt, groups.key_codes.shape[0]):
+    for ids, _, valid in group_blocks(group_table, group_count, fmt, groups):
         picked = [_per_kv_head(field, ids, batch, h_kv)
                   for field in (groups.key_codes, groups.key_scale, groups.key_zero)]
         valid = valid.expand(batch, h_kv, -1).flatten(0, 1)
@@ -495,10 +501,10 @@ def quant_attention(q, groups, group_table, group_count, fmt, scale, excluded=No
     rows = q.view(batch, s_q, h_kv, h_q // h_kv, head_dim).transpose(1, 2).reshape(
         batch * h_kv, s_q, h_q // h_kv, head_dim)  # one row per (request, KV head)
     # The value loop's lanes: within one word and one value group.
-    block = _quant_block(fmt.bits, math.gcd(fmt.codes_per_word, fmt.value_group), logits_row)
+    block = _quant_block(fmt.bits, math.gcd(fmt.codes_per_word, fmt.value_group), logits_row,
+                         q.dtype == torch.bfloat16 and native_bf16_gemm())
     outs, lses, logits = [], [], []
-    for ids, own, valid in group_blocks(group_table, group_count, fmt,
-                                        groups.key_codes.shape[0], excluded):
+    for ids, own, valid in group_blocks(group_table, group_count, fmt, groups, excluded):
         picked = [_per_kv_head(field, ids, batch, h_kv) for field in groups]
         valid = valid.expand(batch, h_kv, -1).flatten(0, 1)  # [B * h_kv, n * G]
         # ``own`` is read only for the logits row: otherwise ``valid`` stands in, uncopied.

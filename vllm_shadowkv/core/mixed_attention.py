@@ -32,7 +32,7 @@ def quant_logits(
     h_kv = groups.key_codes.shape[1]
     rows = q.float().view(batch, h_kv, h_q // h_kv, head_dim)
     blocks = []
-    for ids, _, valid in group_blocks(group_table, group_count, fmt, groups.key_codes.shape[0]):
+    for ids, _, valid in group_blocks(group_table, group_count, fmt, groups):
         keys = groups._replace(**{f: getattr(groups, f)[ids] for f in _KEY_FIELDS})
         k = dequantize_keys(keys, fmt, torch.float32).unflatten(0, (batch, -1))  # [B, n*G, h, d]
         logits = torch.matmul(rows, k.permute(0, 2, 3, 1)) * scale  # [B, h_kv, g, n * G]

@@ -14,7 +14,12 @@ import torch
 from .attention import attention_with_lse, merge_attention
 from .kivi import KiviFormat, QuantizedGroups, dequantize_groups
 
-BLOCK_TOKENS = 16384  # dequantized tokens per block, whole batch: bounds the fp32 K/V held
+# The fp32 keys one block dequantizes, whole batch (then as many bytes of values). A block past
+# glibc's mmap threshold (32 MiB at most) is mapped afresh and zero-filled page by page on each
+# call: SpeCache's single 64 MiB block of a 16K-token request at Llama-3.1-8B shapes spent half
+# its time so. Smaller blocks reuse the heap but each is a call of its own: 8 MiB measured best
+# of 2, 8, 16 and 64 (benchmarks/RESULTS.md, "Quantized decode blocks on the CPU").
+BLOCK_BYTES = 8 << 20
 
 
 def quant_attention(
@@ -47,8 +52,7 @@ def quant_attention(
         return out, lse, q.new_empty((batch, h_q, 0), dtype=torch.float32)
     q32 = q.float()
     outs, lses, logits = [], [], []
-    for ids, own, valid in group_blocks(group_table, group_count, fmt,
-                                        groups.key_codes.shape[0], excluded):
+    for ids, own, valid in group_blocks(group_table, group_count, fmt, groups, excluded):
         k, v = dequantize_groups(QuantizedGroups(*(t[ids] for t in groups)), fmt,
                                  torch.float32)  # [B * n * G, h_kv, d]
         k = k.unflatten(0, (batch, -1)).transpose(1, 2)  # [B, h_kv, n * G, d]
@@ -67,13 +71,15 @@ def quant_attention(
 
 
 def group_blocks(group_table: torch.Tensor, group_count: torch.Tensor, fmt: KiviFormat,
-                 n_pool: int, excluded: torch.Tensor | None = None):
-    """The requests' table entries in blocks of at most BLOCK_TOKENS dequantized tokens over the
-    batch: yields (pool ids [B * n] int64, the padding entries clamped into the pool; valid
+                 groups: QuantizedGroups, excluded: torch.Tensor | None = None):
+    """The requests' table entries of the pool ``groups`` in blocks of at most BLOCK_BYTES of
+    fp32 keys dequantized over the batch (at least one entry per request): yields (pool ids [B * n] int64, the padding entries clamped into the pool; valid
     [B, h_kv or 1, n * G] bool: the request's own tokens, less the ``excluded`` ones)."""
     batch = group_table.shape[0]
     width = int(group_count.max()) if batch else 0
-    block = max(1, BLOCK_TOKENS // (fmt.group * max(batch, 1)))  # entries per request
+    n_pool, h_kv = groups.key_codes.shape[:2]
+    token_bytes = h_kv * fmt.head_dim * 4
+    block = max(1, BLOCK_BYTES // (token_bytes * fmt.group * max(batch, 1)))  # per request
     for j0 in range(0, width, block):
         cols = torch.arange(j0, min(j0 + block, width), device=group_table.device)
         ids = group_table[:, cols].long().clamp(0, n_pool - 1).flatten()
