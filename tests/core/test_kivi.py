@@ -282,6 +282,30 @@ def test_each_bit_width_compiles_a_graph_of_its_own():
     subprocess.run([sys.executable, "-c", _WIDTHS_SCRIPT], check=True, timeout=600)
 
 
+_LENGTHS_SCRIPT = """
+import torch
+from vllm_shadowkv.core import cpu_kernels
+from vllm_shadowkv.core.kivi import KiviFormat, quantize_groups
+fmt = KiviFormat(1, 64, 64, 64)
+pool = quantize_groups(*torch.randn(2, 160 * 64, 1, 64).bfloat16(), fmt)
+q = torch.randn(1, 2, 4, 64).bfloat16()
+for groups in (3, 5, 160):  # the warm-up's short requests, then a block of 10,240 tokens
+    table = torch.arange(groups, dtype=torch.int32)[None]
+    count = torch.tensor([groups], dtype=torch.int32)
+    with torch._dynamo.config.patch(error_on_recompile=groups == 160):
+        cpu_kernels.quant_attention(q, pool, table, count, fmt, 0.125, None, 1)
+        cpu_kernels.quant_logits(q[:, 0], pool, table, count, fmt, 0.125)
+"""
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="inductor needs a C++ compiler")
+def test_a_long_block_compiles_nothing_new():
+    """In a fresh process, blocks of more than 4,096 tokens after short ones (a server's
+    warm-up, then its first long request) run the graphs already compiled (inductor's float
+    sums guarded their length at 4,096: the softmax's row sums are a GEMM instead)."""
+    subprocess.run([sys.executable, "-c", _LENGTHS_SCRIPT], check=True, timeout=600)
+
+
 @pytest.mark.parametrize("case", ATTENTION_CASES, ids=_case_id)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_triton_kernel(case, dtype, kernel_device):

@@ -425,7 +425,9 @@ def _quant_block(bits: int, value_lanes: int, logits_row: int | None = None,
         row_max = logits.amax(-1, keepdim=True)
         row_max = torch.where(torch.isinf(row_max), torch.zeros_like(row_max), row_max)
         p = torch.exp(logits - row_max)
-        denom = p.sum(-1, keepdim=True)
+        # The row sums as a GEMM: inductor's float sum guards its length at 4096 by the first
+        # trace's blocks, and a longer block compiled again mid-serving.
+        denom = torch.matmul(p, p.new_ones(p.shape[-1], 1))
         dtype = torch.bfloat16 if bf16_values else torch.float32
         v = _dequantized_values(value_codes, value_scale, value_zero, bits, value_lanes, dtype)
         out = torch.matmul(p.to(dtype), v).float()
