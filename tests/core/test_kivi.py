@@ -222,7 +222,8 @@ ATTENTION_CASES = [
 
 def _two_group_blocks(monkeypatch, fmt, h_kv, batch):
     """Blocks of two groups per request: several per batch."""
-    monkeypatch.setattr(torch_path, "BLOCK_BYTES", 2 * fmt.group * batch * h_kv * fmt.head_dim * 4)
+    fp32_keys = 2 * fmt.group * batch * h_kv * fmt.head_dim * 4
+    monkeypatch.setattr(torch_path, "BLOCK_BYTES", fp32_keys)
 
 
 def _check_attention(impl, case, dtype, device="cpu"):

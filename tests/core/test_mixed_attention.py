@@ -12,7 +12,8 @@ from vllm_shadowkv.core.attention import attention_with_lse_reference, merge_att
 from vllm_shadowkv.core.kivi import KiviFormat, QuantizedGroups, dequantize_groups, quantize_groups
 from vllm_shadowkv.core.mixed_attention import mixed_attention, quant_logits, top_k_tokens
 
-from test_kivi import _two_group_blocks, quant_kernels  # imported there interpreted on a CPU-only machine
+# quant_kernels: imported there interpreted on a CPU-only machine
+from test_kivi import _two_group_blocks, quant_kernels
 
 
 class Requests:

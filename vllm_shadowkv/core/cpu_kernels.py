@@ -400,7 +400,8 @@ def _quant_block(bits: int, value_lanes: int, logits_row: int | None = None,
     ``_dequantized_values``. With ``logits_row`` (a graph constant too) the block also returns
     that query row's logits. ``bf16_values``: P and V multiply in bf16 (fp32 accumulation,
     as FlashAttention multiplies them; the logits stay fp32), where the CPU's bf16 GEMM is the
-    faster: 1.1-1.9x the block at 8K-16K tokens (benchmarks/RESULTS.md)."""
+    faster one (``native_bf16_gemm``; measured in benchmarks/RESULTS.md, "Quantized decode
+    blocks on the CPU")."""
 
     def block(q: torch.Tensor, key_codes: torch.Tensor, key_scale: torch.Tensor,
               key_zero: torch.Tensor, value_codes: torch.Tensor, value_scale: torch.Tensor,

@@ -73,8 +73,9 @@ def quant_attention(
 def group_blocks(group_table: torch.Tensor, group_count: torch.Tensor, fmt: KiviFormat,
                  groups: QuantizedGroups, excluded: torch.Tensor | None = None):
     """The requests' table entries of the pool ``groups`` in blocks of at most BLOCK_BYTES of
-    fp32 keys dequantized over the batch (at least one entry per request): yields (pool ids [B * n] int64, the padding entries clamped into the pool; valid
-    [B, h_kv or 1, n * G] bool: the request's own tokens, less the ``excluded`` ones)."""
+    fp32 keys dequantized over the batch (at least one entry per request): yields (pool ids
+    [B * n] int64, the padding entries clamped into the pool; valid [B, h_kv or 1, n * G]
+    bool: the request's own tokens, less the ``excluded`` ones)."""
     batch = group_table.shape[0]
     width = int(group_count.max()) if batch else 0
     n_pool, h_kv = groups.key_codes.shape[:2]
