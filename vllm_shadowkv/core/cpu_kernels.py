@@ -200,9 +200,10 @@ def landmark_scores(q, landmarks, lm_rows, lm_start, lm_count, max_count, scale)
 
 @functools.cache
 def native_bf16_gemm() -> bool:
-    """Whether the rebuild multiplies bf16 rows and B as they are (oneDNN's bf16 GEMM, fp32
-    accumulation) rather than converting them to fp32 first: whichever this CPU runs faster,
-    timed once per process on the rebuild's shape. The flag alone does not decide it: with
+    """Whether bf16 operands multiply as they are (oneDNN's bf16 GEMM, fp32 accumulation) rather
+    than converted to fp32 first: the rebuild's rows and B, and the quantized blocks' P and V
+    (``_quant_block``). Whichever this CPU runs faster, timed once per process on the
+    rebuild's shape. The flag alone does not decide it: with
     AVX512-BF16, the bf16 GEMM ran 2.8x the fp32 rate on an EPYC and 0.54x on a Xeon (both in
     benchmarks/RESULTS.md); without it oneDNN emulates bf16, slower than fp32."""
     supported = getattr(torch.cpu, "_is_avx512_bf16_supported", None)  # private: may go
