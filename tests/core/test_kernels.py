@@ -3,6 +3,9 @@
 GQA groups 1/4/8, head_dim 64/128, bf16/fp32, non-contiguous inputs, fresh random inputs each
 test."""
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -99,6 +102,29 @@ def test_landmark_scores_read_the_pages_in_place(group, head_dim, dtype):
     got = cpu_kernels.landmark_scores(q, landmarks, lm_rows, starts, counts, 17, scale)
     want = select.landmark_scores(q, landmarks, lm_rows, starts, counts, 17, scale)
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+
+
+_LENGTHS_SCRIPT = """
+import torch
+from vllm_shadowkv.core import cpu_kernels, select
+landmarks = torch.randn(600 * 24, 2, 64).bfloat16()  # pages of 16 landmark rows, 24 apart
+q = torch.randn(1, 1, 8, 64).bfloat16()
+for pages in ([0, 1], [0, 1, 2, 3], [0, 1, 4, 5], list(range(260)), list(range(130)) +
+              list(range(140, 270))):  # the warm-up's short requests, then 4,160 landmarks
+    rows = torch.cat([torch.arange(16) + 24 * p for p in pages])
+    args = q, landmarks, rows, torch.tensor([0]), torch.tensor([len(rows)]), len(rows), 0.125
+    with torch._dynamo.config.patch(error_on_recompile=len(pages) > 4):
+        got = cpu_kernels.landmark_scores(*args)
+    torch.testing.assert_close(got, select.landmark_scores(*args), atol=1e-6, rtol=1e-5)
+"""
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="inductor needs a C++ compiler")
+def test_landmark_scores_of_a_long_request_compile_nothing_new():
+    """In a fresh process, a request of more than 4,096 landmarks (one run of pages, then two)
+    after short ones (a server's warm-up) runs the graphs already compiled: inductor's float
+    sums guarded their length at 4,096, so the softmax's sums are a GEMM."""
+    subprocess.run([sys.executable, "-c", _LENGTHS_SCRIPT], check=True, timeout=600)
 
 
 def _check_selection(got, scores, counts, k):

@@ -98,8 +98,12 @@ def _page_logits(q: torch.Tensor, pages: torch.Tensor, count: int, scale: float)
 
 def _chunk_scores(logits: torch.Tensor) -> torch.Tensor:
     """[s_q, h_kv, g, n] -> [h_kv, n]: softmax over the landmarks, sum over the query tokens,
-    max over the group's query heads (see select.landmark_scores)."""
-    return torch.softmax(logits, dim=-1).sum(dim=0).amax(dim=1)
+    max over the group's query heads (see select.landmark_scores). The softmax's sums are a
+    GEMM: inductor's float sum guards its length on the side of 4,096 its first trace saw (its
+    accumulation helper for longer sums), and past the warm-up's short requests the first
+    request of over 4,096 landmarks (32K tokens) compiled again mid-serving."""
+    exp = torch.exp(logits - logits.amax(dim=-1, keepdim=True))
+    return (exp / torch.matmul(exp, exp.new_ones(exp.shape[-1], 1))).sum(dim=0).amax(dim=1)
 
 
 def _page_scores(q: torch.Tensor, pages: torch.Tensor, count: torch.Tensor,
