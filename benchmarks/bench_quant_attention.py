@@ -91,7 +91,7 @@ def bench_point(fmt, context, batch, reps, device, copy_gbps):
             ops.quant_attention(q2, pool, table, count, fmt, scale),
             ops.quant_logits(q2[:, 1], pool, table, count, fmt, scale)), device, reps)
         row["spec_one_pass_ms"] = _time_ms(lambda: ops.quant_attention(
-            q2, pool, table, count, fmt, scale, None, 1), device, reps)
+            q2, pool, table, count, fmt, scale, 1), device, reps)
     if batch == 1:
         out, lse = ops.quant_attention(q, pool, table, count, fmt, scale)
         want, want_lse = reference.quant_attention(q.float(), pool, table, count, fmt, scale)

@@ -5,10 +5,9 @@ Reference and signature: vllm_shadowkv.core.quant_attention.quant_attention; lay
 vllm_shadowkv.core.kivi. One program per (request, KV head, block of query rows, split of the
 group table): its rows are all the GQA group's query heads times the query tokens, so each
 group's K/V is read once per KV head and never expanded. Splits (flash-decoding) keep the GPU
-busy at small batch; their partial results are merged by LSE. Excluded tokens (SpeCache's
-exact top-k) are compared against each group's token ids and masked like padding. With
-``logits_row`` the programs also store that query row's logits, before the exclusion mask
-(SpeCache's next top-k from the same pass: the keys read and dequantized once per step).
+busy at small batch; their partial results are merged by LSE. With ``logits_row`` the programs
+also store that query row's logits (SpeCache's top-k from the same pass: the keys read and
+dequantized once per step).
 
 quant_logits (reference: vllm_shadowkv.core.mixed_attention.quant_logits) is the QK^T half
 alone, for SpeCache's top-k: one program per (request, KV head, table entry).
@@ -69,17 +68,16 @@ def _dequant_tile(codes_ptr, scale_ptr, zero_ptr, offs_t, offs_d, t_mask, d_mask
 
 @triton.jit
 def _quant_attention_kernel(
-    q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, table_ptr, count_ptr, ex_ptr,
+    q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, table_ptr, count_ptr,
     out_ptr, lse_ptr, logits_ptr,
     s_qb, s_qs, s_qh, s_qd,
     s_kcn, s_kch, s_kct, s_kcw, s_kpn, s_kph, s_kpd,
     s_vcn, s_vch, s_vct, s_vcw, s_vpn, s_vph, s_vpt, s_vpd,
-    s_tb, s_tj, s_eb, s_eh, s_lb, s_lh, n_excluded, groups_per_split, scale,
+    s_tb, s_tj, s_lb, s_lh, groups_per_split, scale,
     H_KV: tl.constexpr, GROUP: tl.constexpr, S_Q: tl.constexpr, HEAD_DIM: tl.constexpr,
     TOKENS: tl.constexpr, VALUE_GROUP: tl.constexpr, VALUE_BLOCKS: tl.constexpr,
     BITS: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_E: tl.constexpr,  # 0: nothing excluded
     LOGITS_ROW: tl.constexpr,  # -1: no logits stored
 ):
     pid_bh = tl.program_id(0)
@@ -101,10 +99,6 @@ def _quant_attention_kernel(
                 + offs_d[None, :] * s_qd, mask=r_mask[:, None] & d_mask[None, :],
                 other=0.0).to(tl.float32)
     precision: tl.constexpr = "ieee" if IEEE else "tf32"
-    if BLOCK_E > 0:
-        offs_e = tl.arange(0, BLOCK_E)
-        excluded = tl.load(ex_ptr + b * s_eb + h * s_eh + offs_e, mask=offs_e < n_excluded,
-                           other=-1)
 
     m_i = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_R], dtype=tl.float32)
@@ -124,16 +118,10 @@ def _quant_attention_kernel(
             tl.store(logits_ptr + b * s_lb + head[:, None] * s_lh
                      + (j * TOKENS + offs_t)[None, :], logits,
                      mask=row_mask[:, None] & t_mask[None, :])
-        keep = t_mask
-        if BLOCK_E > 0:
-            hits = (j * TOKENS + offs_t)[:, None] == excluded[None, :]
-            keep = keep & (tl.sum(hits.to(tl.int32), axis=1) == 0)
-        logits = tl.where(keep[None, :], logits, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(logits, axis=1))
-        # -inf while every token so far was excluded: exp(-inf - -inf) would be nan.
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m_i - m_safe)
-        p = tl.exp(logits - m_safe[:, None])
+        logits = tl.where(t_mask[None, :], logits, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(logits, axis=1))  # finite: a group has a token
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(logits - m_new[:, None])
         v_param = gid * s_vpn + h * s_vph
         v = _dequant_tile(vc_ptr + gid * s_vcn + h * s_vch, vs_ptr + v_param, vz_ptr + v_param,
                           offs_t, offs_d, t_mask, d_mask, s_vct, s_vcw, s_vpt, s_vpd, True,
@@ -193,7 +181,7 @@ def _quant_logits_kernel(
         tl.store(out, logits, mask=out_mask)
 
 
-def quant_attention(q, groups, group_table, group_count, fmt: KiviFormat, scale, excluded=None,
+def quant_attention(q, groups, group_table, group_count, fmt: KiviFormat, scale,
                     logits_row=None):
     batch, s_q, h_q, head_dim = q.shape
     kc, ks, kz, vc, vs, vz = groups
@@ -207,13 +195,6 @@ def quant_attention(q, groups, group_table, group_count, fmt: KiviFormat, scale,
     assert group_count.shape == (batch,) and group_count.is_contiguous()
     assert group_table.dtype == group_count.dtype == kc.dtype == vc.dtype == torch.int32
     assert all(t.device == q.device for t in (*groups, group_table, group_count))
-    if excluded is None:
-        excluded = group_count  # never read: BLOCK_E = 0
-        n_excluded, ex_strides = 0, (0, 0)
-    else:
-        assert excluded.shape[:2] == (batch, h_kv) and excluded.dtype == torch.int32
-        assert excluded.stride(-1) == 1 and excluded.device == q.device
-        n_excluded, ex_strides = excluded.shape[2], excluded.stride()[:2]
     group = h_q // h_kv
     rows = group * s_q
     max_groups = group_table.shape[1]
@@ -234,16 +215,15 @@ def quant_attention(q, groups, group_table, group_count, fmt: KiviFormat, scale,
         logits = part_lse  # never written: LOGITS_ROW = -1
     grid = (batch * h_kv, triton.cdiv(rows, block_r), n_splits)
     _quant_attention_kernel[grid](
-        q, kc, ks, kz, vc, vs, vz, group_table, group_count, excluded, part_out, part_lse, logits,
+        q, kc, ks, kz, vc, vs, vz, group_table, group_count, part_out, part_lse, logits,
         *q.stride(), *kc.stride(), *ks.stride(), *vc.stride(), *vs.stride(),
-        *group_table.stride(), *ex_strides, *logits.stride()[:2], n_excluded,
+        *group_table.stride(), *logits.stride()[:2],
         triton.cdiv(max_groups, n_splits), scale,
         H_KV=h_kv, GROUP=group, S_Q=s_q, HEAD_DIM=head_dim, TOKENS=tokens,
         VALUE_GROUP=fmt.value_group, VALUE_BLOCKS=block_d % fmt.value_group == 0
         and fmt.value_group == triton.next_power_of_2(fmt.value_group),
         BITS=fmt.bits, IEEE=q.dtype == torch.float32, BLOCK_R=block_r,
         BLOCK_T=max(_MIN_DOT, triton.next_power_of_2(tokens)), BLOCK_D=block_d,
-        BLOCK_E=triton.next_power_of_2(n_excluded) if n_excluded else 0,
         LOGITS_ROW=-1 if logits_row is None else logits_row)
     out, lse = merge_stacked(part_out.movedim(2, 0), part_lse.movedim(2, 0))
     # [B, h_kv, group, s_q, ...] -> [B, s_q, h_q, ...]

@@ -294,7 +294,7 @@ for groups in (3, 5, 160):  # the warm-up's short requests, then a block of 10,2
     table = torch.arange(groups, dtype=torch.int32)[None]
     count = torch.tensor([groups], dtype=torch.int32)
     with torch._dynamo.config.patch(error_on_recompile=groups == 160):
-        cpu_kernels.quant_attention(q, pool, table, count, fmt, 0.125, None, 1)
+        cpu_kernels.quant_attention(q, pool, table, count, fmt, 0.125, 1)
         cpu_kernels.quant_logits(q[:, 0], pool, table, count, fmt, 0.125)
 """
 

@@ -410,11 +410,11 @@ def _quant_block(bits: int, value_lanes: int, logits_row: int | None = None,
 
     def block(q: torch.Tensor, key_codes: torch.Tensor, key_scale: torch.Tensor,
               key_zero: torch.Tensor, value_codes: torch.Tensor, value_scale: torch.Tensor,
-              value_zero: torch.Tensor, valid: torch.Tensor, own: torch.Tensor, scale: float):
+              value_zero: torch.Tensor, valid: torch.Tensor, scale: float):
         """q [R, s, g, d]; the gathered groups of each row: codes [R, n, T, W], key
-        scale/zero [R, n, d], value scale/zero [R, n, T, d / vg]; valid [R, n * T] the keys
-        attended, own [R, n * T] the row's tokens (excluded ones too). -> out [R, s, g, d] fp32,
-        lse [R, s, g] (and with ``logits_row`` its logits [R, g, n * T], -inf where not own).
+        scale/zero [R, n, d], value scale/zero [R, n, T, d / vg]; valid [R, n * T] the row's
+        tokens. -> out [R, s, g, d] fp32, lse [R, s, g] (and with ``logits_row`` its logits
+        [R, g, n * T], -inf where not valid).
         One fused pass unpacks and dequantizes the block's K (then V), and QK^T and PV are
         GEMMs: 2.2-3x the broadcast sums that never wrote the dequantized block (inductor
         ran those at about 2 GFLOP/s without AVX-512). The block is bounded
@@ -424,9 +424,6 @@ def _quant_block(bits: int, value_lanes: int, logits_row: int | None = None,
         k = _dequantized_keys(key_codes, key_scale, key_zero, bits)
         logits = torch.matmul(q.float().reshape(rows, s_q * group, head_dim),
                               k.transpose(1, 2)) * scale
-        if logits_row is not None:
-            row_logits = logits.view(rows, s_q, group, -1)[:, logits_row].masked_fill(
-                ~own[:, None, :], float("-inf"))
         logits = logits.masked_fill(~valid[:, None, :], float("-inf"))
         row_max = logits.amax(-1, keepdim=True)
         row_max = torch.where(torch.isinf(row_max), torch.zeros_like(row_max), row_max)
@@ -441,12 +438,13 @@ def _quant_block(bits: int, value_lanes: int, logits_row: int | None = None,
         lse = (row_max + torch.log(denom)).view(rows, s_q, group)  # log(0) = -inf: no keys
         if logits_row is None:
             return out.view(rows, s_q, group, head_dim), lse
-        return out.view(rows, s_q, group, head_dim), lse, row_logits
+        return (out.view(rows, s_q, group, head_dim), lse,
+                logits.view(rows, s_q, group, -1)[:, logits_row])
 
     # rows (requests x KV heads), query rows, groups per block vary; the rest is the format's
     variant = (f"_lanes{value_lanes}" + ("" if logits_row is None else f"_row{logits_row}")
                + ("_bf16" if bf16_values else ""))
-    return _one_graph(_compiled_per_width(block, bits, variant), ((0, 1),) * 9)
+    return _one_graph(_compiled_per_width(block, bits, variant), ((0, 1),) * 8)
 
 
 def _per_kv_head(field: torch.Tensor, ids: torch.Tensor, batch: int, h_kv: int) -> torch.Tensor:
@@ -481,7 +479,7 @@ def quant_logits(q, groups, group_table, group_count, fmt, scale):
     h_kv = groups.key_codes.shape[1]
     rows = q.reshape(batch * h_kv, h_q // h_kv, head_dim)  # one row per (request, KV head)
     blocks = []
-    for ids, _, valid in group_blocks(group_table, group_count, fmt, groups):
+    for ids, valid in group_blocks(group_table, group_count, fmt, groups):
         picked = [_per_kv_head(field, ids, batch, h_kv)
                   for field in (groups.key_codes, groups.key_scale, groups.key_zero)]
         valid = valid.expand(batch, h_kv, -1).flatten(0, 1)
@@ -492,8 +490,7 @@ def quant_logits(q, groups, group_table, group_count, fmt, scale):
     return torch.cat(blocks, dim=-1)
 
 
-def quant_attention(q, groups, group_table, group_count, fmt, scale, excluded=None,
-                    logits_row=None):
+def quant_attention(q, groups, group_table, group_count, fmt, scale, logits_row=None):
     """Same contract as core.quant_attention.quant_attention; blocks of groups gathered by
     ``index_select`` and attended by one compiled pass each, merged by LSE."""
     from .attention import merge_attention
@@ -512,12 +509,10 @@ def quant_attention(q, groups, group_table, group_count, fmt, scale, excluded=No
     block = _quant_block(fmt.bits, math.gcd(fmt.codes_per_word, fmt.value_group), logits_row,
                          q.dtype == torch.bfloat16 and native_bf16_gemm())
     outs, lses, logits = [], [], []
-    for ids, own, valid in group_blocks(group_table, group_count, fmt, groups, excluded):
+    for ids, valid in group_blocks(group_table, group_count, fmt, groups):
         picked = [_per_kv_head(field, ids, batch, h_kv) for field in groups]
         valid = valid.expand(batch, h_kv, -1).flatten(0, 1)  # [B * h_kv, n * G]
-        # ``own`` is read only for the logits row: otherwise ``valid`` stands in, uncopied.
-        own = own.expand(batch, h_kv, -1).flatten(0, 1) if logits_row is not None else valid
-        result = block(rows, *picked, valid, own, scale)
+        result = block(rows, *picked, valid, scale)
         outs.append(result[0])
         lses.append(result[1])
         if logits_row is not None:

@@ -19,7 +19,7 @@ scale) clamped. At 1 bit the levels would be exactly min and max, which breaks g
 scale = (max - min) / 2, i.e. the midpoints of the two half-ranges. TailorKV uses the plain one.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 import torch
@@ -135,6 +135,29 @@ def dequantize_keys(
     key_codes = unpack_codes(q.key_codes, fmt.bits).float()  # [n, h, G, d]
     k = key_codes * q.key_scale.float().unsqueeze(2) + q.key_zero.float().unsqueeze(2)
     return _token_major(k, fmt).to(dtype or q.key_scale.dtype)
+
+
+def dequantize_tokens(
+    pool: QuantizedGroups, group_table: torch.Tensor, tokens: torch.Tensor, fmt: KiviFormat
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Single tokens of a pool of groups: tokens [B, h_kv, k] ids into request b's table
+    entries (token t of entry j is j * G + t; -1: none, read as token 0), group_table [B, >=]
+    pool ids -> k, v [B, h_kv, k, d] fp32. Each token is dequantized as a group of one: its own
+    codes and value scales, its group's key scales."""
+    batch, h_kv, k = tokens.shape
+    ids = tokens.long().clamp_min(0)
+    entry, row = ids // fmt.group, ids % fmt.group
+    group = group_table.long().gather(1, entry.view(batch, -1)).view(batch, h_kv, k)
+    group = group.clamp(0, pool.key_codes.shape[0] - 1)
+    head = torch.arange(h_kv, device=tokens.device).view(1, -1, 1)
+    one = QuantizedGroups(pool.key_codes[group, head, row].flatten(0, 2)[:, None, None],
+                          pool.key_scale[group, head].flatten(0, 2)[:, None],
+                          pool.key_zero[group, head].flatten(0, 2)[:, None],
+                          pool.value_codes[group, head, row].flatten(0, 2)[:, None, None],
+                          pool.value_scale[group, head, row].flatten(0, 2)[:, None, None],
+                          pool.value_zero[group, head, row].flatten(0, 2)[:, None, None])
+    keys, values = dequantize_groups(one, replace(fmt, group=1), torch.float32)  # [N, 1, d]
+    return keys.view(batch, h_kv, k, -1), values.view(batch, h_kv, k, -1)
 
 
 def _token_major(x: torch.Tensor, fmt: KiviFormat) -> torch.Tensor:

@@ -1,17 +1,18 @@
 """SpeCache's decode attention over a low-bit cache in which the top-k tokens are exact.
 
-The quantized groups stay packed. The k tokens per KV head whose exact 16-bit K/V have been
-fetched into slots are masked out of the quantized part and attended from the slots; the two
-parts are merged by LSE (digest §12.6), as is the caller's exact part (16-bit residual, the
-step's own tokens). The top-k comes from one query row's attention over the low-bit keys:
-the output row's in the "current" prefetch mode, the speculative row's in the speculative one.
+The quantized groups stay packed. One pass attends all of them and returns one query row's
+logits; the top-k comes from those: the output row's in the "current" prefetch mode, the
+speculative row's in the speculative one. The k tokens per KV head whose exact 16-bit K/V have
+been fetched into slots then replace their low-bit copies in that pass's result (their low-bit
+terms subtracted, the exact ones merged, by LSE; digest §12.6), so the low-bit keys are read once
+a step, not once for the top-k and again for the attention with it masked. The caller merges
+its exact part (16-bit residual, the step's own tokens) by LSE as well.
 """
 
 import torch
 
-from . import ops
-from .attention import attention_with_lse, merge_attention
-from .kivi import KiviFormat, QuantizedGroups, dequantize_keys
+from .attention import attention_with_lse
+from .kivi import KiviFormat, QuantizedGroups, dequantize_keys, dequantize_tokens
 from .quant_attention import group_blocks
 
 _KEY_FIELDS = ("key_codes", "key_scale", "key_zero")
@@ -32,7 +33,7 @@ def quant_logits(
     h_kv = groups.key_codes.shape[1]
     rows = q.float().view(batch, h_kv, h_q // h_kv, head_dim)
     blocks = []
-    for ids, _, valid in group_blocks(group_table, group_count, fmt, groups):
+    for ids, valid in group_blocks(group_table, group_count, fmt, groups):
         keys = groups._replace(**{f: getattr(groups, f)[ids] for f in _KEY_FIELDS})
         k = dequantize_keys(keys, fmt, torch.float32).unflatten(0, (batch, -1))  # [B, n*G, h, d]
         logits = torch.matmul(rows, k.permute(0, 2, 3, 1)) * scale  # [B, h_kv, g, n * G]
@@ -69,7 +70,8 @@ def top_k_tokens(
     return out
 
 
-def mixed_attention(
+def swap_in_exact(
+    quant: tuple[torch.Tensor, torch.Tensor],
     q: torch.Tensor,
     groups: QuantizedGroups,
     group_table: torch.Tensor,
@@ -79,16 +81,30 @@ def mixed_attention(
     slot_tokens: torch.Tensor,
     slot_k: torch.Tensor,
     slot_v: torch.Tensor,
-    logits_row: int | None = None,
-) -> tuple[torch.Tensor, ...]:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of q [B, s_q, h_q, d] over each request's quantized tokens with those held
-    exact in slots taken from the slots instead: slot_tokens [B, h_kv, k] int32 quantized
-    token ids (as in quant_logits; -1 empty slot), slot_k, slot_v [B, h_kv, k, d] their exact
-    K/V. -> out [B, s_q, h_q, d] (q's dtype), lse [B, s_q, h_q] fp32, to be merged with the
-    caller's exact part; with ``logits_row``, also that row's quant_logits from the same pass
-    (the speculative row's, for the next step's top-k)."""
-    quant = ops.quant_attention(q, groups, group_table, group_count, fmt, scale, slot_tokens,
-                                logits_row)
-    exact = attention_with_lse(q, slot_k, slot_v, (slot_tokens >= 0).unsqueeze(2), scale)
-    out, lse = merge_attention([quant[0], exact[0]], [quant[1], exact[1]])
-    return (out, lse) if logits_row is None else (out, lse, quant[2])
+    exact in slots taken from the slots instead, from ``quant`` = (out, lse), the attention over
+    all of them (quant_attention): the slot tokens' low-bit terms are subtracted by their LSE
+    weight and the exact ones merged in, so the top-k can come from that same pass's logits.
+    slot_tokens [B, h_kv, k] int32 quantized token ids (as in quant_logits; -1 empty slot),
+    slot_k, slot_v [B, h_kv, k, d] their exact K/V. -> out [B, s_q, h_q, d] (q's dtype), lse
+    [B, s_q, h_q] fp32, to be merged with the caller's exact part. Where the slots hold every
+    quantized token of a (request, KV head), the low-bit part is dropped whole (it would
+    otherwise leave the rounding of its subtraction)."""
+    held = (slot_tokens >= 0).unsqueeze(2)  # [B, h_kv, 1, k]
+    low_k, low_v = dequantize_tokens(groups, group_table, slot_tokens, fmt)
+    low_out, low_lse = attention_with_lse(q.float(), low_k, low_v, held, scale)
+    exact_out, exact_lse = attention_with_lse(q.float(), slot_k, slot_v, held, scale)
+    out, lse = quant[0].float(), quant[1]
+    top = torch.maximum(lse, exact_lse)
+    top = torch.where(torch.isinf(top), torch.zeros_like(top), top)
+    weight, low_weight, exact_weight = (torch.exp(x - top) for x in (lse, low_lse, exact_lse))
+    covered = held.sum(-1) >= (group_count * fmt.group).view(-1, 1, 1)  # [B, h_kv, 1]
+    covered = covered.repeat_interleave(q.shape[2] // held.shape[1], dim=1).transpose(1, 2)
+    rest = torch.where(covered, 0.0, (weight - low_weight).clamp_min(0))  # [B, s_q, h_q]
+    rest_sum = torch.where((rest > 0).unsqueeze(-1), weight.unsqueeze(-1) * out
+                           - low_weight.unsqueeze(-1) * low_out, 0.0)
+    total = rest + exact_weight
+    out = (rest_sum + exact_weight.unsqueeze(-1) * exact_out) / total.clamp_min(
+        torch.finfo(torch.float32).tiny).unsqueeze(-1)
+    return out.to(q.dtype), top + torch.log(total)  # log(0) = -inf: no keys at all

@@ -117,12 +117,10 @@ def copy_rows(dst, index, src, src_index=None):
     impl.copy_rows(dst, index, src, src_index)
 
 
-def quant_attention(q, groups, group_table, group_count, fmt, scale, excluded=None,
-                    logits_row=None):
+def quant_attention(q, groups, group_table, group_count, fmt, scale, logits_row=None):
     impl = (_kernels("quant_kernels") if _use_triton(q)
             else cpu_kernels if compiled_cpu(q) else quant_path)
-    return impl.quant_attention(q, groups, group_table, group_count, fmt, scale, excluded,
-                                logits_row)
+    return impl.quant_attention(q, groups, group_table, group_count, fmt, scale, logits_row)
 
 
 def quant_logits(q, groups, group_table, group_count, fmt, scale):

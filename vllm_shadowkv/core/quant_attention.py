@@ -1,12 +1,10 @@
 """Attention over KIVI-quantized token groups, dequantizing one block of groups at a time.
 
 Torch reference of vllm_shadowkv.triton_kernels.quant_kernels.quant_attention (same signature).
-Every query row of a request attends all of its quantized groups (no causal mask among them)
-except the tokens `excluded` names per KV head (SpeCache: those attended from exact copies
-instead): the 16-bit residual is attended separately and merged by LSE
-(attention.merge_attention). With ``logits_row`` the pass also returns that query row's logits
-over every token of the request, excluded or not (SpeCache's top-k for the next step: the keys
-are then dequantized once per step, not twice).
+Every query row of a request attends all of its quantized groups (no causal mask among them):
+the 16-bit residual is attended separately and merged by LSE (attention.merge_attention). With
+``logits_row`` the pass also returns that query row's logits over every token of the request
+(SpeCache's top-k: the keys are then dequantized once per step, not twice).
 """
 
 import torch
@@ -29,17 +27,15 @@ def quant_attention(
     group_count: torch.Tensor,
     fmt: KiviFormat,
     scale: float,
-    excluded: torch.Tensor | None = None,
     logits_row: int | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """q [B, s_q, h_q, d]; groups: a pool of token groups (kivi.QuantizedGroups, leading dims
     [n_pool, h_kv]); group_table [B, max_groups] int32 pool ids, request b owns the first
-    group_count[b] [B] int32 entries (the rest are ignored); excluded [B, h_kv, E] int32
-    tokens left out per KV head, token t of table entry j being j * fmt.group + t (-1: none).
-    -> out [B, s_q, h_q, d] (q's dtype), lse [B, s_q, h_q] fp32; a request without groups (or
-    with all its tokens excluded) gets out 0 and lse -inf. With ``logits_row`` (an index into
-    s_q) also -> logits [B, h_q, max(group_count) * G] fp32 of that row, exclusions ignored, as
-    mixed_attention.quant_logits returns them."""
+    group_count[b] [B] int32 entries (the rest are ignored). -> out [B, s_q, h_q, d] (q's
+    dtype), lse [B, s_q, h_q] fp32; a request without groups gets out 0 and lse -inf. With
+    ``logits_row`` (an index into s_q) also -> logits [B, h_q, max(group_count) * G] fp32 of
+    that row, token t of table entry j at j * G + t, as mixed_attention.quant_logits returns
+    them."""
     batch, s_q, h_q, head_dim = q.shape
     assert head_dim == fmt.head_dim and group_table.shape[0] == group_count.shape[0] == batch
     assert logits_row is None or 0 <= logits_row < s_q
@@ -52,7 +48,7 @@ def quant_attention(
         return out, lse, q.new_empty((batch, h_q, 0), dtype=torch.float32)
     q32 = q.float()
     outs, lses, logits = [], [], []
-    for ids, own, valid in group_blocks(group_table, group_count, fmt, groups, excluded):
+    for ids, valid in group_blocks(group_table, group_count, fmt, groups):
         k, v = dequantize_groups(QuantizedGroups(*(t[ids] for t in groups)), fmt,
                                  torch.float32)  # [B * n * G, h_kv, d]
         k = k.unflatten(0, (batch, -1)).transpose(1, 2)  # [B, h_kv, n * G, d]
@@ -63,7 +59,7 @@ def quant_attention(
         if logits_row is not None:
             rows = q32[:, logits_row].unflatten(1, (k.shape[1], -1))  # [B, h_kv, g, d]
             row_logits = torch.matmul(rows, k.transpose(-1, -2)) * scale
-            logits.append(row_logits.masked_fill(~own.unsqueeze(2), float("-inf")).flatten(1, 2))
+            logits.append(row_logits.masked_fill(~valid.unsqueeze(2), float("-inf")).flatten(1, 2))
     out, lse = merge_attention(outs, lses)
     if logits_row is None:
         return out.to(q.dtype), lse
@@ -71,11 +67,11 @@ def quant_attention(
 
 
 def group_blocks(group_table: torch.Tensor, group_count: torch.Tensor, fmt: KiviFormat,
-                 groups: QuantizedGroups, excluded: torch.Tensor | None = None):
+                 groups: QuantizedGroups):
     """The requests' table entries of the pool ``groups`` in blocks of at most BLOCK_BYTES of
     fp32 keys dequantized over the batch (at least one entry per request): yields (pool ids
-    [B * n] int64, the padding entries clamped into the pool; valid [B, h_kv or 1, n * G]
-    bool: the request's own tokens, less the ``excluded`` ones)."""
+    [B * n] int64, the padding entries clamped into the pool; valid [B, 1, n * G] bool: the
+    request's own tokens)."""
     batch = group_table.shape[0]
     width = int(group_count.max()) if batch else 0
     n_pool, h_kv = groups.key_codes.shape[:2]
@@ -84,18 +80,5 @@ def group_blocks(group_table: torch.Tensor, group_count: torch.Tensor, fmt: Kivi
     for j0 in range(0, width, block):
         cols = torch.arange(j0, min(j0 + block, width), device=group_table.device)
         ids = group_table[:, cols].long().clamp(0, n_pool - 1).flatten()
-        own = (cols < group_count.view(-1, 1)).repeat_interleave(fmt.group, dim=1)[:, None]
-        valid = own
-        if excluded is not None:
-            valid = own & ~excluded_tokens(excluded, j0 * fmt.group, own.shape[-1])
-        yield ids, own, valid
+        yield ids, (cols < group_count.view(-1, 1)).repeat_interleave(fmt.group, dim=1)[:, None]
 
-
-def excluded_tokens(excluded: torch.Tensor, start: int, width: int) -> torch.Tensor:
-    """excluded [B, h_kv, E] token ids (-1: none) -> bool [B, h_kv, width], True at the ids in
-    [start, start + width) (a block of the requests' quantized tokens)."""
-    local = excluded.long() - start
-    inside = (local >= 0) & (local < width)
-    mask = torch.zeros(*excluded.shape[:2], width + 1, dtype=torch.bool, device=excluded.device)
-    # Ids outside the block land in the spare last column, dropped after.
-    return mask.scatter_(-1, torch.where(inside, local, width), True)[..., :width]

@@ -129,8 +129,14 @@ class SpeCacheMethod(MiniKVMethod):
         now = (list(range(n)) if self.settings.verify_guess
                else [i for i in range(n) if i not in picked_ahead])
         measure = self.settings.measure_fidelity and bool(picked_ahead)
-        if now or measure:
-            wanted = self._wanted(pool, layer, reqs, per_head, lse_exact, batch, s_q - 1 - guess)
+        # One pass over the low-bit cache, all of it, with the logits of the row that picks
+        # next: the guess row's when picking ahead, else the output row's.
+        own_row = s_q - 1 - guess
+        quant = ops.quant_attention(per_head, pool, batch.group_table, batch.group_count,
+                                    self.pages.fmt, layer.scale, s_q - 1 if ahead else own_row)
+        if now or measure:  # the output row's top-k (its logits from the pass unless ahead)
+            wanted = self._wanted(pool, layer, reqs, per_head, lse_exact, batch, own_row,
+                                  None if ahead else quant[2])
         if measure:
             self._record_speculation(
                 layer, [reqs[i] for i in picked_ahead], wanted.view(n, h, -1)[picked_ahead],
@@ -141,18 +147,16 @@ class SpeCacheMethod(MiniKVMethod):
                             layer, self.pages)
         slots = torch.cat([self._slot_tokens[key] for key in keys])  # [n * h, k]
         slot_k, slot_v = self._slot_kv(layer, plans)
-        # The guess row's logits come out of the same pass over the low-bit keys.
-        out_q, lse_q, *guess_logits = mixed_attention.mixed_attention(
-            per_head, pool, batch.group_table, batch.group_count, self.pages.fmt, layer.scale,
-            slots.view(n * h, 1, -1), slot_k, slot_v, s_q - 1 if ahead else None)
+        out_q, lse_q = mixed_attention.swap_in_exact(
+            quant[:2], per_head, pool, batch.group_table, batch.group_count, self.pages.fmt,
+            layer.scale, slots.view(n * h, 1, -1), slot_k, slot_v)
         out_q = out_q.view(n, h, s_q, g, d).transpose(1, 2).reshape(n, s_q, hq, d)
         lse_q = lse_q.view(n, h, s_q, g).transpose(1, 2).reshape(n, s_q, hq)
         out, _ = merge_attention([out_exact, out_q], [lse_exact, lse_q])
         if ahead:  # the next step's slots, from the guess row, completed at that step
             self._pending.setdefault(layer.index, []).append(self._fetch(
                 layer, reqs, plans,
-                self._wanted(pool, layer, reqs, per_head, lse_exact, batch, s_q - 1,
-                             guess_logits[0])))
+                self._wanted(pool, layer, reqs, per_head, lse_exact, batch, s_q - 1, quant[2])))
             self._ahead.update(keys)
         else:
             self._ahead.difference_update(keys)
