@@ -96,14 +96,21 @@ def _page_logits(q: torch.Tensor, pages: torch.Tensor, count: int, scale: float)
     return (logits.flatten(2, 3)[:, :, :count] * scale).permute(0, 3, 1, 2).contiguous()
 
 
+def _last_dim_sums(x: torch.Tensor) -> torch.Tensor:
+    """x summed over its last dimension (kept, size 1) as a GEMM with a column of ones, inside a
+    compiled graph: inductor's float sum guards its length on the side of 4,096 its first trace
+    saw (its accumulation helper for longer sums), so after the warm-up's short requests the
+    first longer one compiled again mid-serving (a quantized block over 4,096 tokens, a request
+    of over 4,096 landmarks)."""
+    return torch.matmul(x, x.new_ones(x.shape[-1], 1))
+
+
 def _chunk_scores(logits: torch.Tensor) -> torch.Tensor:
     """[s_q, h_kv, g, n] -> [h_kv, n]: softmax over the landmarks, sum over the query tokens,
-    max over the group's query heads (see select.landmark_scores). The softmax's sums are a
-    GEMM: inductor's float sum guards its length on the side of 4,096 its first trace saw (its
-    accumulation helper for longer sums), and past the warm-up's short requests the first
-    request of over 4,096 landmarks (32K tokens) compiled again mid-serving."""
+    max over the group's query heads (see select.landmark_scores); the softmax's sums by
+    ``_last_dim_sums``."""
     exp = torch.exp(logits - logits.amax(dim=-1, keepdim=True))
-    return (exp / torch.matmul(exp, exp.new_ones(exp.shape[-1], 1))).sum(dim=0).amax(dim=1)
+    return (exp / _last_dim_sums(exp)).sum(dim=0).amax(dim=1)
 
 
 def _page_scores(q: torch.Tensor, pages: torch.Tensor, count: torch.Tensor,
@@ -428,9 +435,7 @@ def _quant_block(bits: int, value_lanes: int, logits_row: int | None = None,
         row_max = logits.amax(-1, keepdim=True)
         row_max = torch.where(torch.isinf(row_max), torch.zeros_like(row_max), row_max)
         p = torch.exp(logits - row_max)
-        # The row sums as a GEMM: inductor's float sum guards its length at 4096 by the first
-        # trace's blocks, and a longer block compiled again mid-serving.
-        denom = torch.matmul(p, p.new_ones(p.shape[-1], 1))
+        denom = _last_dim_sums(p)
         dtype = torch.bfloat16 if bf16_values else torch.float32
         v = _dequantized_values(value_codes, value_scale, value_zero, bits, value_lanes, dtype)
         out = torch.matmul(p.to(dtype), v).float()
