@@ -121,11 +121,9 @@ def test_pools_are_disjoint():
     assert len(set(filler.KEYS)) == len(filler.KEYS) and len(set(filler.VALUES)) == len(filler.VALUES)
 
 
-def test_string_match_all_and_part():
+def test_string_match_all():
     answers = ["1234567", "7654321"]
     assert tasks.string_match_all("They are 1234567 and 7654321.", answers) == 1.0
     assert tasks.string_match_all("Only 7654321 here", answers) == 0.5
     assert tasks.string_match_all("none", answers) == 0.0
     assert tasks.string_match_all("Walrus, OTTER", ["walrus", "otter"]) == 1.0  # case-insensitive
-    assert tasks.string_match_part("Only 7654321 here", answers) == 1.0
-    assert tasks.string_match_part("none", answers) == 0.0

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 from vllm_shadowkv.eval import filler
 
@@ -73,9 +73,6 @@ class Sample:
     answer_prefix: str          # appended after the prompt (or after the chat template)
     answers: list[str]          # every one must appear in the output (string_match_all)
     needles: list[str]          # the inserted needle sentences, first one at ``depth``
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 def generate(task: str, tokenizer, length: int, depth: float | None = 0.5, seed: int = 0) -> Sample:
@@ -243,12 +240,6 @@ def string_match_all(prediction: str, answers: list[str]) -> float:
     """Fraction of the references found in the prediction (RULER: niah, vt, cwe)."""
     pred = prediction.lower()
     return sum(a.lower() in pred for a in answers) / len(answers)
-
-
-def string_match_part(prediction: str, answers: list[str]) -> float:
-    """1 if any reference is found in the prediction (RULER: qa)."""
-    pred = prediction.lower()
-    return float(any(a.lower() in pred for a in answers))
 
 
 def score(sample: Sample, prediction: str) -> float:
