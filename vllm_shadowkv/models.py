@@ -34,7 +34,8 @@ CHAT_TEMPLATE = (
 
 @dataclass(frozen=True)
 class ModelRecipe:
-    """Architecture of a locally built Llama model (random weights unless ``weights`` says)."""
+    """Architecture of a locally built model with random weights: a Llama unless
+    ``model_type`` names another Hugging Face architecture, with ``config`` entries of its own."""
 
     name: str
     hidden_size: int
@@ -44,8 +45,8 @@ class ModelRecipe:
     head_dim: int
     intermediate_size: int
     max_position_embeddings: int = 131072
-    rope_theta: float = 500000.0
-    rope_scaling: dict = field(
+    rope_theta: float | None = 500000.0  # None: not in the config (GPT-J's has none)
+    rope_scaling: dict | None = field(
         default_factory=lambda: {
             "rope_type": "llama3",
             "factor": 8.0,
@@ -57,9 +58,16 @@ class ModelRecipe:
     vocab_size: int = 320
     dtype: str = "bfloat16"
     seed: int = 0
+    model_type: str = "llama"
+    config: dict = field(default_factory=dict)
 
     def fingerprint(self) -> str:
-        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:12]
+        fields = asdict(self)
+        # Fields added after the first builds count only when set: those builds keep their name.
+        for name, default in (("model_type", "llama"), ("config", {})):
+            if fields.get(name) == default:
+                fields.pop(name)
+        return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:12]
 
 
 RECIPES: dict[str, ModelRecipe] = {
@@ -80,6 +88,33 @@ RECIPES: dict[str, ModelRecipe] = {
     "llama8b-shape": ModelRecipe(
         name="llama8b-shape", hidden_size=4096, num_layers=2, num_heads=32, num_kv_heads=8,
         head_dim=128, intermediate_size=1024,
+    ),
+    # Other architectures' attention, for the engine's architecture tests. Qwen2: biased Q/K/V,
+    # YaRN, 7 query heads on one KV head.
+    "tiny-qwen2": ModelRecipe(
+        name="tiny-qwen2", hidden_size=448, num_layers=2, num_heads=7, num_kv_heads=1,
+        head_dim=64, intermediate_size=512, max_position_embeddings=32768, rope_theta=1e6,
+        rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                      "original_max_position_embeddings": 8192},
+        model_type="qwen2", config={"use_sliding_window": False},
+    ),
+    # Phi-3: fused Q/K/V, LongRoPE (its long table past 2,048 tokens), RoPE on 3/4 of each head
+    # (as Phi-4-mini).
+    "tiny-phi3": ModelRecipe(
+        name="tiny-phi3", hidden_size=256, num_layers=2, num_heads=4, num_kv_heads=2,
+        head_dim=64, intermediate_size=512, max_position_embeddings=16384, rope_theta=10000.0,
+        rope_scaling={"rope_type": "longrope",
+                      "short_factor": [1.0 + 0.05 * i for i in range(24)],
+                      "long_factor": [1.0 + 0.5 * i for i in range(24)]},
+        model_type="phi3",
+        config={"original_max_position_embeddings": 2048, "partial_rotary_factor": 0.75},
+    ),
+    # GPT-J: RoPE on interleaved pairs of the first 32 of 64 channels, no RoPE entry in the
+    # config but ``rotary_dim``, multi-head attention.
+    "tiny-gptj": ModelRecipe(
+        name="tiny-gptj", hidden_size=256, num_layers=2, num_heads=4, num_kv_heads=4,
+        head_dim=64, intermediate_size=512, max_position_embeddings=8192, rope_theta=None,
+        rope_scaling=None, model_type="gptj", config={"n_inner": 512, "rotary_dim": 32},
     ),
 }
 
@@ -163,20 +198,26 @@ def build_model(name: str, root: Path | None = None, force: bool = False) -> Pat
         return out
     if isinstance(recipe, GgufRecipe):
         return _convert_gguf(recipe, out)
-    return _write_llama(recipe, out)
+    return _write_model(recipe, out)
 
 
 def model_names() -> list[str]:
     return [*RECIPES, *GGUF_RECIPES]
 
 
-def _write_llama(recipe: ModelRecipe, out: Path) -> Path:
+def _write_model(recipe: ModelRecipe, out: Path) -> Path:
     import torch
     from tqdm import tqdm
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     tokenizer = build_byte_tokenizer()
-    config = LlamaConfig(
+    # Only what the recipe sets: GPT-J's vLLM model fills in a RoPE entry present as null.
+    rope = {"rope_theta": recipe.rope_theta} if recipe.rope_theta is not None else {}
+    if recipe.rope_scaling:
+        rope["rope_scaling"] = dict(recipe.rope_scaling)
+    # Llama's names; other architectures map them to their own (GPT-J: n_embd, n_head, ...).
+    config = AutoConfig.for_model(
+        recipe.model_type,
         vocab_size=recipe.vocab_size,
         hidden_size=recipe.hidden_size,
         intermediate_size=recipe.intermediate_size,
@@ -185,26 +226,27 @@ def _write_llama(recipe: ModelRecipe, out: Path) -> Path:
         num_key_value_heads=recipe.num_kv_heads,
         head_dim=recipe.head_dim,
         max_position_embeddings=recipe.max_position_embeddings,
-        rope_theta=recipe.rope_theta,
-        rope_scaling=dict(recipe.rope_scaling) if recipe.rope_scaling else None,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         tie_word_embeddings=False,
         torch_dtype=recipe.dtype,
+        **rope,
+        **recipe.config,
     )
     torch.manual_seed(recipe.seed)
     with torch.device("meta"):
-        model = LlamaForCausalLM(config)
+        model = AutoModelForCausalLM.from_config(config)
     model = model.to_empty(device="cpu").to(getattr(torch, recipe.dtype))
     params = list(model.named_parameters())
     gen = torch.Generator().manual_seed(recipe.seed)
     for pname, param in tqdm(params, desc=f"building {recipe.name}", unit="tensor"):
         with torch.no_grad():
-            if pname.endswith("norm.weight"):
+            if param.dim() == 1 and pname.endswith("weight"):  # the norms' gains
                 param.fill_(1.0)
             else:
-                std = 0.02 if "embed" in pname or "lm_head" in pname else param.shape[-1] ** -0.5
+                embedding = any(n in pname for n in ("embed", "wte", "lm_head"))
+                std = 0.02 if embedding else param.shape[-1] ** -0.5
                 param.copy_(torch.randn(param.shape, generator=gen) * std)
     tmp = out.with_name(out.name + ".partial")
     tmp.mkdir(parents=True, exist_ok=True)

@@ -1,12 +1,18 @@
 """Inverse RoPE recovers the keys captured before vLLM's own rotary embedding, for each scaling
-variant vLLM builds (the cos/sin cache is taken from vLLM's get_rope)."""
+variant vLLM builds (the module from vLLM's get_rope, its table read as the engine reads it:
+backend/rotary.py)."""
+
+from types import SimpleNamespace
 
 import pytest
 import torch
 from vllm.config import VllmConfig, set_current_vllm_config
-from vllm.model_executor.layers.rotary_embedding import get_rope
+from vllm.model_executor.layers import rotary_embedding
+from vllm.model_executor.layers.rotary_embedding import get_rope, phi3_long_rope_scaled_rope
 
-from vllm_shadowkv.core.rope import RopeCache, apply_rope, invert_rope
+from vllm_shadowkv.backend.rotary import rope_of
+from vllm_shadowkv.core.rope import apply_rope, invert_rope
+from vllm_shadowkv.methods.base import SettingsError
 
 VARIANTS = {
     "default": (True, 1.0, {"rope_type": "default", "rope_theta": 10000.0}),
@@ -19,26 +25,39 @@ VARIANTS = {
     "gptj_partial": (False, 0.5, {"rope_type": "default", "rope_theta": 10000.0,
                                   "partial_rotary_factor": 0.5}),
 }
+# Phi-3's LongRoPE (partial, as Phi-4-mini): the short table while the engine's context fits
+# the original one, the long table (read at an offset) beyond it.
+LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+            "original_max_position_embeddings": 1024,
+            "short_factor": [1.0 + 0.05 * i for i in range(24)],
+            "long_factor": [1.0 + 0.5 * i for i in range(24)]}
+VARIANTS |= {"longrope_short": (True, 0.75, LONGROPE), "longrope_long": (True, 0.75, LONGROPE)}
 
 
-def _vllm_rope(kind: str, head_dim: int, dtype: torch.dtype):
+def _vllm_rope(kind: str, head_dim: int, dtype: torch.dtype, monkeypatch):
     neox, _, params = VARIANTS[kind]
+    # LongRoPE picks its table by the engine's context (vLLM's current model config).
+    context = 4096 if kind == "longrope_long" else 1024
+    monkeypatch.setattr(phi3_long_rope_scaled_rope, "get_current_vllm_config", lambda: (
+        SimpleNamespace(model_config=SimpleNamespace(max_model_len=context))))
+    monkeypatch.setattr(rotary_embedding, "_ROPE_DICT", {})  # get_rope's cache ignores that
     with set_current_vllm_config(VllmConfig()):  # vLLM's CustomOps read it when built
         emb = get_rope(head_dim, max_position=4096, is_neox_style=neox,
                        rope_parameters=params, dtype=dtype)
-    return emb, RopeCache(emb.cos_sin_cache, emb.rotary_dim, emb.is_neox_style)
+    return emb, rope_of(emb, "shadowkv"), context
 
 
 @pytest.mark.parametrize("kind", list(VARIANTS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_inverse_rope_recovers_pre_rope_keys(kind, dtype):
+def test_inverse_rope_recovers_pre_rope_keys(kind, dtype, monkeypatch):
     head_dim, heads, tokens = 64, 3, 257
-    emb, rope = _vllm_rope(kind, head_dim, dtype)
+    emb, rope, context = _vllm_rope(kind, head_dim, dtype, monkeypatch)
     assert rope.rotary_dim == int(head_dim * VARIANTS[kind][1])
     keys_pre = torch.randn(tokens, heads, head_dim).to(dtype)
-    positions = torch.randperm(4096)[:tokens]  # true positions, not 0..T-1
+    positions = torch.randperm(context)[:tokens]  # true positions, not 0..T-1
     query = torch.zeros(tokens, heads * head_dim, dtype=dtype)
-    _, keys_post = emb.forward_native(positions, query, keys_pre.reshape(tokens, -1).clone())
+    forward = getattr(emb, "forward_native", emb.forward)  # LongRoPE is a plain module
+    _, keys_post = forward(positions, query, keys_pre.reshape(tokens, -1).clone())
     recovered = invert_rope(keys_post.view(tokens, heads, head_dim), positions, rope)
     # bf16: vLLM rounds the rotated key to bf16 (relative 2^-8 per element); the inverse itself
     # is fp32.
@@ -49,8 +68,20 @@ def test_inverse_rope_recovers_pre_rope_keys(kind, dtype):
     torch.testing.assert_close(again.float(), keys_post.view(tokens, heads, head_dim).float(), **tol)
 
 
-def test_yarn_cache_is_not_orthogonal():
+def test_yarn_cache_is_not_orthogonal(monkeypatch):
     # Guards the reason invert_rope divides by cos^2 + sin^2: yarn scales both by mscale.
-    _, rope = _vllm_rope("yarn", 64, torch.float32)
+    _, rope, _ = _vllm_rope("yarn", 64, torch.float32, monkeypatch)
     cos, sin = rope.cos_sin_cache.chunk(2, dim=-1)
     assert not torch.allclose(cos ** 2 + sin ** 2, torch.ones_like(cos))
+
+
+def test_a_rotary_embedding_that_takes_more_than_positions_is_refused():
+    """Multimodal M-RoPE rotates by three position streams: ShadowKV cannot rebuild its keys
+    from token positions, so the layer's table is refused with the module named."""
+    with set_current_vllm_config(VllmConfig()):
+        emb = get_rope(64, max_position=4096, is_neox_style=True, dtype=torch.float32,
+                       rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                        "mrope_section": [8, 12, 12]})
+    with pytest.raises(SettingsError, match=r"rotary embedding MRotaryEmbedding rotates by more "
+                                            r"than the token's position; the shadowkv backend"):
+        rope_of(emb, "shadowkv")

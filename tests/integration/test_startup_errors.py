@@ -180,6 +180,17 @@ UNSUPPORTED = {
          "num_local_experts": 2, "interleave_moe_layer_step": 1, **LLAMA},
         "has chunked-local attention layers 0, 1, 2",
     ),
+    "dual-chunk": (
+        {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "rope_theta": 10000.0,
+         "dual_chunk_attention_config": {"chunk_size": 1024, "local_size": 128}, **LLAMA},
+        "uses dual-chunk attention (dual_chunk_attention_config)",
+    ),
+    "multimodal rotary embedding": (
+        {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2",
+         "rope_scaling": {"rope_type": "default", "rope_theta": 10000.0,
+                          "mrope_section": [8, 12, 12]}, **LLAMA},
+        "uses multimodal rotary embedding (M-RoPE, mrope_section in its config)",
+    ),
     "no rotary embedding": (
         {"architectures": ["BloomForCausalLM"], "model_type": "bloom", "n_head": 4,
          "n_layer": 2, "hidden_size": 256, "vocab_size": 320},

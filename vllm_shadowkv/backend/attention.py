@@ -32,10 +32,11 @@ from vllm_shadowkv.backend.exact_attention import exact_attention, read_exact, w
 from vllm_shadowkv.backend.host_malloc import keep_freed_memory
 from vllm_shadowkv.backend.kv_spec import CompressedKVSpec
 from vllm_shadowkv.backend.layout import PageLayout
+from vllm_shadowkv.backend.rotary import rope_of
 from vllm_shadowkv.backend.worker_state import STATE, EngineFacts
 from vllm_shadowkv.core.ops import kernel_mode
 from vllm_shadowkv.core.rope import RopeCache
-from vllm_shadowkv.methods.base import LayerContext, RequestRows
+from vllm_shadowkv.methods.base import KVMethod, LayerContext, RequestRows
 
 
 class KVCompressionBackend(AttentionBackend):
@@ -336,7 +337,7 @@ class EngineImpl(AttentionImpl[EngineMetadata]):
         STATE.methods.add(layout.method)
         return LayerContext(
             index=index, kv_cache=kv_cache, layout=layout,
-            rope=self._rope_of(layer), store=STATE.store(layout.method, index),
+            rope=self._rope_of(layer, layout.method), store=STATE.store(layout.method, index),
             store_for=lambda shape: STATE.store_for(shape, layout.shapes.dtype), scale=self.scale,
             stats=STATE.requests.__getitem__, reference_kv=STATE.reference_kv, step=step)
 
@@ -347,14 +348,14 @@ class EngineImpl(AttentionImpl[EngineMetadata]):
             self._layer_index = extract_layer_index(layer.layer_name)
         return self._layer_index
 
-    def _rope_of(self, layer) -> RopeCache | None:
-        """The model's own rotary embedding for this layer (every scaling variant matches);
-        None for a model without one (only methods that do not need RoPE accept those)."""
-        if self._rope is None:
+    def _rope_of(self, layer, method: KVMethod) -> RopeCache | None:
+        """The model's own rotary embedding for this layer (backend/rotary.py), for a method
+        that rebuilds keys with it; None for the others (and a model without one, which only
+        those accept)."""
+        if self._rope is None and method.needs_rope:
             parent = layer.layer_name.rsplit(".", 1)[0]
             rotary = getattr(STATE.runner.get_model().get_submodule(parent), "rotary_emb", None)
             if rotary is None:
                 return None
-            self._rope = RopeCache(rotary.cos_sin_cache.float(), rotary.rotary_dim,
-                                   rotary.is_neox_style)
+            self._rope = rope_of(rotary, method.name)
         return self._rope

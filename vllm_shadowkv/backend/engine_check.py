@@ -18,7 +18,8 @@ from vllm_shadowkv.methods.base import KVShapes, SettingsError
 logger = init_logger(f"vllm.{__name__}")  # under vLLM's handlers and level
 
 SUPPORTED_KV_CACHE_DTYPES = ("auto", "bfloat16", "float16")
-_ROPE_KEYS = ("rope_parameters", "rope_theta", "rope_scaling", "rotary_emb_base", "rotary_pct")
+_ROPE_KEYS = ("rope_parameters", "rope_theta", "rope_scaling", "rotary_emb_base", "rotary_pct",
+              "rotary_dim", "partial_rotary_factor")
 
 
 def select_method(vllm_config) -> str | None:
@@ -211,6 +212,11 @@ def check_model(model_config, method: str, needs_rope: bool) -> None:
             f"model {name} uses sliding-window attention (sliding_window={text.sliding_window}) "
             f"in all layers; the {method} backend needs full causal attention"
         )
+    if getattr(text, "dual_chunk_attention_config", None):
+        raise SettingsError(
+            f"model {name} uses dual-chunk attention (dual_chunk_attention_config); the {method} "
+            "backend needs full causal attention"
+        )
     if getattr(text, "attention_chunk_size", None):
         raise SettingsError(
             f"model {name} uses chunked-local attention (attention_chunk_size="
@@ -223,6 +229,13 @@ def check_model(model_config, method: str, needs_rope: bool) -> None:
         raise SettingsError(
             f"model {name} has layers without rotary embedding (NoPE layers {_ranges(no_rope)}); "
             f"the {method} backend rebuilds keys with RoPE and needs it in every layer"
+        )
+    rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
+    if "mrope_section" in rope:
+        raise SettingsError(
+            f"model {name} uses multimodal rotary embedding (M-RoPE, mrope_section in its config),"
+            f" which rotates by three position streams; the {method} backend rebuilds keys from "
+            "the token's position"
         )
     if not any(getattr(text, key, None) is not None for key in _ROPE_KEYS):
         raise SettingsError(

@@ -60,7 +60,7 @@ def warm_up(runner) -> float | None:
         # the pages made outside inference mode, as vLLM's KV cache is; the layer's RoPE cache
         # (kept for serving) and all the rest under it, as vLLM runs the model.
         with torch.inference_mode():
-            rope = impl._rope_of(layer)
+            rope = impl._rope_of(layer, layout.method)
         scratch = ScratchLayer(layout, index, impl.num_heads, rope, impl.scale, layer.kv_cache)
         if not scratch.prompt_lens:
             continue  # no compressed request fits the context: nothing to compile
