@@ -1,4 +1,5 @@
-"""cProfile of decode steps inside a real vLLM engine (engine core in-process), one request.
+"""cProfile of decode steps inside a real vLLM engine (engine core in-process), one request or a
+batch of them (``--requests``).
 
   .venv/bin/python benchmarks/profile_engine_decode.py --method minikv --context 8192 \\
       --out benchmarks/profiles/minikv_decode_8k.txt
@@ -27,6 +28,7 @@ def main() -> None:
     parser.add_argument("--settings", default='{"min_sparse_len": 1024}', help="JSON")
     parser.add_argument("--context", type=int, default=8192)
     parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--requests", type=int, default=1, help="decoding side by side")
     parser.add_argument("--model", default=None, help="default: the local llama8b-shape model")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
@@ -44,15 +46,18 @@ def main() -> None:
         kwargs = {"attention_backend": args.method, "worker_extension_cls": EXTENSION_CLASS,
                   "additional_config": {args.method: json.loads(args.settings)}}
     llm = LLM(model=model, max_model_len=args.context + args.steps + 8, enforce_eager=True,
-              enable_prefix_caching=False, seed=0, kv_cache_memory_bytes=400 << 20, **kwargs)
+              enable_prefix_caching=False, seed=0,
+              kv_cache_memory_bytes=args.requests * (400 << 20), **kwargs)
     engine = llm.llm_engine
     rng = random.Random(args.context)
-    prompt = TokensPrompt(prompt_token_ids=[rng.randrange(256) for _ in range(args.context)])
-    engine.add_request("r", prompt, SamplingParams(temperature=0.0, max_tokens=args.steps + 5,
-                                                   ignore_eos=True))
-    generated = 0
-    while generated < 4:  # the prefill (several steps when chunked), then 3 decode steps
-        generated = sum(len(out.outputs[0].token_ids) for out in engine.step())
+    for i in range(args.requests):
+        prompt = TokensPrompt(prompt_token_ids=[rng.randrange(256) for _ in range(args.context)])
+        engine.add_request(f"r{i}", prompt, SamplingParams(
+            temperature=0.0, max_tokens=args.steps + 5, ignore_eos=True))
+    generated = {}
+    # The prefills (several steps when chunked), then 3 decode steps of every request.
+    while len(generated) < args.requests or min(generated.values()) < 4:
+        generated.update({out.request_id: len(out.outputs[0].token_ids) for out in engine.step()})
     profiler = cProfile.Profile()
     start, steps = time.perf_counter(), 0
     profiler.enable()
@@ -66,7 +71,8 @@ def main() -> None:
     stats.sort_stats("cumulative").print_stats(60)
     stats.sort_stats("tottime").print_stats(40)  # where the time is spent, op by op
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(f"{args.method} at {args.context} tokens, settings {args.settings}: "
+    args.out.write_text(f"{args.method} at {args.context} tokens x {args.requests} requests, "
+                        f"settings {args.settings}: "
                         f"{per_step:.1f} ms per decode step over {steps} steps (under cProfile)"
                         f"\n{text.getvalue()}")
     print(f"{per_step:.1f} ms per step; wrote {args.out}")
