@@ -159,3 +159,39 @@ def test_tensor_parallel_ranks_each_compress_their_own_kv_heads(method, tiny_mod
         store = rank["store"]
         assert (store["bytes_fetched"] > 0) == uses_host_store(method)
         assert store["used_bytes"] == store["num_keys"] == 0
+
+
+# A prompt that repeats itself, so that vLLM's n-gram proposer finds drafts in it.
+NGRAM = {**COVERING, "batches": [[long_prompt(250, 7) + " " + long_prompt(250, 7)]],
+         "max_tokens": 24}
+NGRAM_SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4,
+              "prompt_lookup_min": 2}
+
+
+@pytest.fixture(scope="module")
+def ngram_reference(tiny_model, tmp_path_factory):
+    return generate_in_fresh_process({**NGRAM, "model": tiny_model, "attention_backend": None},
+                                     tmp_path_factory.mktemp("ngram-ref"))
+
+
+@pytest.mark.parametrize("method", list(METHODS))
+def test_users_ngram_speculative_decoding_equals_default(method, tiny_model, ngram_reference,
+                                                         tmp_path):
+    """A user's own speculative decoding (vLLM's n-gram proposer, 3 draft tokens): every decode
+    step of a compressed request carries 4 query rows, the rejected drafts' K/V are written and
+    then overwritten. With covering settings the greedy tokens are the default backend's
+    without speculation, and drafts were really proposed and accepted."""
+    settings = METHODS[method].covering_settings(256, 6144) | {"min_sparse_len": 2048}
+    test = generate_in_fresh_process(
+        {**NGRAM, "model": tiny_model, "attention_backend": method,
+         "engine_kwargs": {**NGRAM["engine_kwargs"], "speculative_config": NGRAM_SPEC,
+                           "disable_log_stats": False, "additional_config": {method: settings}}},
+        tmp_path)
+    assert_greedy_close(ngram_reference["batches"][0], test["batches"][0],
+                        names=("default", method))
+    spec = test["spec_decode"]
+    assert spec["vllm:spec_decode_num_drafts"] > 0, spec
+    assert spec["vllm:spec_decode_num_accepted_tokens"] > 0, spec
+    stats = test["stats"][0]  # the worker may not have seen the request finish yet
+    (row,) = list(stats["finished"].values()) + list(stats["requests"].values())
+    assert row["mode"] == "sparse" and row["decode_steps"] > 0
