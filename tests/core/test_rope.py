@@ -75,6 +75,13 @@ def test_yarn_cache_is_not_orthogonal(monkeypatch):
     assert not torch.allclose(cos ** 2 + sin ** 2, torch.ones_like(cos))
 
 
+def test_layers_sharing_a_rotary_module_share_its_table(monkeypatch):
+    """vLLM gives every layer of a model one rotary module: one fp32 table for all of them (a
+    copy per layer was 64 MiB each for Llama-3.1-8B's 128K positions)."""
+    emb, rope, _ = _vllm_rope("llama3", 64, torch.bfloat16, monkeypatch)
+    assert rope_of(emb, "shadowkv") is rope
+
+
 def test_a_rotary_embedding_that_takes_more_than_positions_is_refused():
     """Multimodal M-RoPE rotates by three position streams: ShadowKV cannot rebuild its keys
     from token positions, so the layer's table is refused with the module named."""

@@ -12,6 +12,8 @@ attention's, Fourier RoPE): refused, naming the module.
 
 from __future__ import annotations
 
+import weakref
+
 from vllm.model_executor.layers.rotary_embedding import RotaryEmbedding
 from vllm.model_executor.layers.rotary_embedding.phi3_long_rope_scaled_rope import (
     Phi3LongRoPEScaledRotaryEmbedding,
@@ -21,10 +23,20 @@ from vllm_shadowkv.core.rope import RopeCache
 from vllm_shadowkv.methods.base import SettingsError
 
 _STANDARD_FORWARDS = ("forward_native", "forward_cuda", "forward_cpu", "forward_static")
+# One fp32 table per rotary module, which vLLM shares between a model's layers: a copy per layer
+# would be 2 GiB for Llama-3.1-8B's 128K positions (32 layers x 64 MiB).
+_TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def rope_of(rotary, method: str) -> RopeCache:
     """The table ``rotary`` (a layer's ``rotary_emb``) rotates keys with, as a RopeCache."""
+    rope = _TABLES.get(rotary)
+    if rope is None:
+        rope = _TABLES[rotary] = _table(rotary, method)
+    return rope
+
+
+def _table(rotary, method: str) -> RopeCache:
     if isinstance(rotary, Phi3LongRoPEScaledRotaryEmbedding):
         short = rotary.original_max_position_embeddings
         table = rotary.long_short_cos_sin_cache
