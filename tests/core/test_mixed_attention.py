@@ -143,6 +143,7 @@ MIXED_CASES = [
     (KiviFormat(2, 64, 64, 16), 2, 1, 1, [1, 2], 5),
     (KiviFormat(1, 64, 64, 64), 1, 8, 2, [2, 1, 1], 64),
     (KiviFormat(2, 16, 64, 16, midpoint_one_bit=False), 2, 4, 1, [1, 0, 3], 16),
+    (KiviFormat(1, 32, 64, 32), 2, 2, 2, [2, 3], 20),  # several KV heads, two query rows
 ]
 
 

@@ -521,7 +521,7 @@ def quant_attention(q, groups, group_table, group_count, fmt, scale, logits_row=
         outs.append(result[0])
         lses.append(result[1])
         if logits_row is not None:
-            logits.append(result[2].view(batch, h_q, -1))
+            logits.append(result[2].reshape(batch, h_q, -1))  # a strided row of the block
     out, lse = merge_attention(outs, lses)
     out = out.view(batch, h_kv, s_q, h_q // h_kv, head_dim).transpose(1, 2)
     lse = lse.view(batch, h_kv, s_q, h_q // h_kv).transpose(1, 2)
