@@ -221,6 +221,23 @@ def test_vllm_cpu_kernel_path_matches_masked_sdpa(q_len, s_len, h_q, h_kv, d):
     torch.testing.assert_close(causal_attention(q, k, v, d ** -0.5), direct, atol=0, rtol=0)
 
 
+def test_vllm_cpu_kernel_as_a_process_first_16_bit_work():
+    """vLLM's CPU kernel runs AMX tiles where the CPU has them, which Linux grants a process
+    only once asked: as the first 16-bit work of a fresh process (no oneDNN GEMM before it to
+    ask) it died with SIGILL on an AMX machine. Passes trivially on CPUs without AMX."""
+    import subprocess
+    import sys
+
+    script = ("import torch\n"
+              "from vllm_shadowkv.backend.exact_attention import _vllm_cpu_attention\n"
+              "q, k, v = (torch.randn(n, h, 128).bfloat16() for n, h in "
+              "((4, 8), (40, 2), (40, 2)))\n"
+              "print(_vllm_cpu_attention(q, k, v, 0.1) is not None)\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_paged_sparse_decode_on_cuda_matches_cpu():
     """The backend's per-request path as the engine runs it on a GPU (pages in device memory,

@@ -71,7 +71,13 @@ def _vllm_cpu_isa(dtype: torch.dtype, head_dim: int) -> str | None:
     if (not hasattr(torch.ops._C, "cpu_attention_with_kv_cache")
             or head_dim not in CPUAttentionBackend.get_supported_head_sizes()):
         return None
-    return _get_attn_isa(dtype, _VLLM_CPU_BLOCK, head_dim, "auto")
+    isa = _get_attn_isa(dtype, _VLLM_CPU_BLOCK, head_dim, "auto")
+    if isa == "amx":
+        # Linux lets a process use AMX tiles only once it has asked (oneDNN asks at its first
+        # AMX GEMM): vLLM's kernel does not, and a process whose first AMX use it is dies of
+        # SIGILL (a benchmark calling this before any bf16 GEMM did).
+        torch.cpu._init_amx()
+    return isa
 
 
 def _vllm_cpu_attention(query, key, value, scale) -> torch.Tensor | None:
