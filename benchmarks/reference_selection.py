@@ -327,7 +327,7 @@ def main() -> None:
     parser.add_argument("--depths", default="0.25,0.75")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--selections", default="dense,h2o,h2o-uniform,question64,recent50",
-                        help=", ".join(selections(2048)))
+                        help=", ".join(selections(2048)).replace("%", "%%"))
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                         help="the model's weights and activations (the attention is fp32)")
     parser.add_argument("--tokens", type=int, default=20, help="greedy tokens per answer")

@@ -1,0 +1,47 @@
+"""The benchmarks still run: each script's --help, and the kernel-level ones at tiny sizes (a
+crash in a benchmark is found here, not by the next person measuring). No timing is checked."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+SCRIPTS = sorted(p.name for p in BENCHMARKS.glob("*.py")  # plots.py is their module
+                 if "argparse" in p.read_text())
+
+
+def _run(args: list[str]) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, *args], cwd=BENCHMARKS.parent, env=env,
+                          capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_help(script):
+    done = _run([f"benchmarks/{script}", "--help"])
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "usage" in done.stdout
+
+
+SMOKE_RUNS = {  # the smallest sizes each takes (ShadowKV's store needs a context past 2K)
+    "bench_quant_attention.py": ["--contexts", "512", "--batches", "1,2", "--reps", "1"],
+    "bench_heavy_hitters.py": ["--lengths", "512", "--reps", "1"],
+    "bench_decode_step.py": ["--contexts", "4096", "--batches", "1,2", "--reps", "1"],
+    "bench_layer_decode.py": ["--contexts", "1024", "--batches", "1", "--reps", "1",
+                              "--warmup", "0", "--sparse-budget", "64",
+                              "--profile-context", "1024", "--profile-batch", "1"],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", sorted(SMOKE_RUNS))
+def test_kernel_benchmark_runs(script, tmp_path):
+    out = tmp_path / "result.json"
+    done = _run([f"benchmarks/{script}", *SMOKE_RUNS[script], "--out", str(out)])
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = out / "cpu.json" if out.is_dir() else out  # bench_layer_decode takes a folder
+    assert json.loads(results.read_text())
