@@ -88,7 +88,6 @@ def test_gemm_tiles_redo_the_rows_whose_estimate_falls_short():
     torch.testing.assert_close(got, dense_column_sums(q, k, scale), atol=2e-3, rtol=2e-3)
 
 
-
 @pytest.mark.parametrize("block", [5, 128])
 @pytest.mark.parametrize("n, start, group", [(1, 0, 4), (7, 0, 1), (130, 0, 3), (33, 70, 4),
                                              (1, 200, 2), (64, 16, 8)])
@@ -105,6 +104,7 @@ def test_centring_estimates_are_the_sampled_keys_maxima(n, start, group, block, 
                          | set(range(max(0, pos - heavy_hitters.SAMPLE_RECENT + 1), pos + 1)))
         want[i] = (q[i] @ k[sampled].T).amax(-1)
     torch.testing.assert_close(heavy_hitters._estimated_maxima(q, k, start), want)
+
 
 def test_selection_per_kv_head_from_group_sums():
     h_kv, gqa, length, heavy, recent = 3, 4, 80, 10, 6
