@@ -68,7 +68,6 @@ from torch.profiler import ProfilerActivity, record_function
 from tqdm import tqdm
 from vllm import _custom_ops as ops
 from vllm import envs
-from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
 from vllm_shadowkv.backend import exact_attention
 from vllm_shadowkv.backend.host_malloc import keep_freed_memory
@@ -83,7 +82,8 @@ from vllm_shadowkv.methods.shadowkv import ShadowKVMethod, ShadowKVSettings
 from vllm_shadowkv.methods.shadowkv.pages import ShadowKVPages
 from vllm_shadowkv.store import CpuValueStore
 
-H_Q, H_KV, HEAD_DIM, BLOCK = 32, 8, 128, 128
+H_Q, H_KV, HEAD_DIM = 32, 8, 128
+BLOCK = exact_attention._VLLM_CPU_BLOCK  # the block its ISA is resolved for
 DTYPE = torch.bfloat16
 ELT = DTYPE.itemsize
 ROW = HEAD_DIM * ELT  # one token of one KV head
@@ -161,7 +161,7 @@ class DenseLayer:
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor, n: int):
         self.context = len(keys)
-        self.isa = _get_attn_isa(DTYPE, BLOCK, HEAD_DIM, "auto")
+        self.isa = exact_attention._vllm_cpu_isa(DTYPE, HEAD_DIM)  # asks for AMX too
         per_request = -(-(self.context + 1) // BLOCK)
         cache = torch.empty(1 + n * per_request, H_KV, BLOCK, 2 * HEAD_DIM, dtype=DTYPE)
         # As CPUAttentionBackendImpl.forward splits it: [blocks, h, 2 * block, d] -> K, V.
@@ -503,7 +503,7 @@ def main() -> None:
         "machine": f"{os.cpu_count()}-core {cpu_name()} ({platform.machine()})",
         "date": datetime.date.today().isoformat(), "torch": torch.__version__,
         "vllm": vllm.__version__, "threads": args.threads,
-        "isa": _get_attn_isa(DTYPE, BLOCK, HEAD_DIM, "auto"),
+        "isa": exact_attention._vllm_cpu_isa(DTYPE, HEAD_DIM),
         "native_bf16_gemm": cpu_kernels.native_bf16_gemm(),
         "heads": [H_Q, H_KV, HEAD_DIM], "dtype": str(DTYPE), "block_size": BLOCK,
         "settings": SETTINGS.resolved(KVShapes(H_KV, HEAD_DIM, DTYPE, BLOCK, 1, 0)).as_dict(),
