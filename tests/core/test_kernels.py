@@ -9,7 +9,9 @@ import sys
 import pytest
 import torch
 
-from vllm_shadowkv.core import attention, cpu_kernels, heavy_hitters, ops, reconstruct, select
+from vllm_shadowkv.core import (attention, cpu_kernels, heavy_hitters, landmarks, ops,
+                                reconstruct, select)
+from vllm_shadowkv.core import rope as rope_ops
 from vllm_shadowkv.core.rope import RopeCache
 from vllm_shadowkv.triton_kernels import (heavy_hitter_kernels, prefill_kernels, rebuild_kernels,
                                           select_kernels)
@@ -279,6 +281,39 @@ def test_copy_rows(n, width, src_dtype, dst_dtype, gathered):
     assert torch.equal(got, want)
     rows = src if src_index is None else src[src_index]
     assert torch.equal(want[1].view(517, width)[index], rows.to(dst_dtype))
+
+
+@pytest.mark.parametrize("tokens,h_kv,head_dim,rotary_dim,neox",
+                         [(37, 1, 64, 64, True), (300, 3, 128, 64, False), (2056, 8, 128, 128, True)])
+@pytest.mark.parametrize("dtype,out_dtype", [(torch.float32, torch.float32),
+                                             (torch.bfloat16, torch.float32),
+                                             (torch.bfloat16, torch.bfloat16)])
+def test_invert_rope(tokens, h_kv, head_dim, rotary_dim, neox, dtype, out_dtype):
+    """The compiled RoPE inversion (ShadowKV's prompt end) against the reference: partial
+    rotary, both pair layouts, positions not starting at 0, fp32 or bf16 out."""
+    _kernels("cpu", torch.device("cpu"))
+    rope = default_rope(head_dim, 4096, rotary_dim, neox)
+    keys = torch.randn(tokens, h_kv, head_dim).to(dtype)
+    positions = torch.randperm(4096)[:tokens]
+    got = cpu_kernels.invert_rope(keys, positions, rope, out_dtype)
+    want = rope_ops.invert_rope(keys, positions, rope, out_dtype)
+    assert got.dtype == out_dtype
+    torch.testing.assert_close(got, want, **_tol(out_dtype))
+
+
+@pytest.mark.parametrize("chunks,chunk_size,h_kv,head_dim", [(3, 8, 1, 64), (257, 8, 8, 128),
+                                                             (41, 5, 3, 96)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunk_geometry(chunks, chunk_size, h_kv, head_dim, dtype):
+    """The compiled chunk landmarks and least-coherent-token cosines against the reference, on
+    keys with a shared direction (as real keys have), odd chunk sizes and head counts."""
+    _kernels("cpu", torch.device("cpu"))
+    keys = (torch.randn(chunks * chunk_size, h_kv, head_dim) + torch.randn(h_kv, head_dim)
+            ).to(dtype)
+    got, want = cpu_kernels.chunk_geometry(keys, chunk_size), landmarks.chunk_geometry(
+        keys, chunk_size)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
 
 
 def test_dispatch_routes_to_kernels(monkeypatch, interpreted):

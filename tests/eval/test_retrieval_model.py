@@ -70,7 +70,7 @@ def _layer2_selection(model, tokenizer, sample, budget_chunks, outliers, chunk=8
 
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-    from vllm_shadowkv.core.landmarks import chunk_landmarks, outlier_chunks
+    from vllm_shadowkv.core.landmarks import chunk_geometry, outlier_chunks
     from vllm_shadowkv.core.select import landmark_scores
 
     attn, cap = model.model.layers[2].self_attn, {}
@@ -96,8 +96,8 @@ def _layer2_selection(model, tokenizer, sample, budget_chunks, outliers, chunk=8
     pos = [i for i in range(n_tok) if ids[0, i].item() in values]
     mass = torch.softmax(logits, -1)[kv * group:(kv + 1) * group, pos].sum(-1).max().item()
     n = n_tok // chunk - local_chunks
-    lm = chunk_landmarks(k[:n * chunk], chunk)
-    out = outlier_chunks(k[:n * chunk], lm, outliers)[kv].tolist()
+    lm, min_cos = chunk_geometry(k[:n * chunk], chunk)
+    out = outlier_chunks(min_cos, outliers)[kv].tolist()
     scores = landmark_scores(q[-1:].unsqueeze(0), lm, torch.arange(n), torch.tensor([0]),
                              torch.tensor([n]), n, 1 / math.sqrt(d))[0, kv]
     scores[out] = -2.0

@@ -3,22 +3,22 @@
 import torch
 
 
-def chunk_landmarks(keys: torch.Tensor, chunk_size: int) -> torch.Tensor:
-    """keys [n_chunks*c, h_kv, d] post-RoPE -> landmarks [n_chunks, h_kv, d], fp32."""
+def chunk_geometry(keys: torch.Tensor, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """keys [n_chunks*c, h_kv, d] post-RoPE -> (landmarks: each chunk's mean key [n_chunks, h_kv,
+    d] fp32, the cosine of each chunk's least similar token to its landmark [n_chunks, h_kv])."""
     n_tokens, num_heads, head_dim = keys.shape
     chunks = keys.float().view(n_tokens // chunk_size, chunk_size, num_heads, head_dim)
-    return chunks.mean(dim=1)
-
-
-def outlier_chunks(keys: torch.Tensor, landmarks: torch.Tensor, count: int) -> torch.Tensor:
-    """Per KV head, the `count` chunks whose least similar token (cosine vs the chunk's landmark)
-    is least similar: [h_kv, count] int64 chunk ids, ascending. The mean hides these chunks'
-    tokens, so they are kept exact instead of being selected through their landmark.
-    """
-    n_chunks, num_heads, head_dim = landmarks.shape
-    chunks = keys.float().view(n_chunks, -1, num_heads, head_dim)
+    landmarks = chunks.mean(dim=1)
     cos = torch.nn.functional.cosine_similarity(chunks, landmarks.unsqueeze(1), dim=-1)
-    min_cos = cos.amin(dim=1)  # [n_chunks, h_kv]
+    return landmarks, cos.amin(dim=1)
+
+
+def outlier_chunks(min_cos: torch.Tensor, count: int) -> torch.Tensor:
+    """Per KV head, the `count` chunks whose least similar token is least similar (``min_cos``
+    [n_chunks, h_kv] from `chunk_geometry`): [h_kv, count] int64 chunk ids, ascending. The mean
+    hides these chunks' tokens, so they are kept exact instead of being selected through their
+    landmark.
+    """
     ids = torch.topk(min_cos.T, count, dim=-1, largest=False).indices
     return ids.sort(dim=-1).values
 

@@ -12,8 +12,9 @@ import importlib.util
 import torch
 
 from . import quant_attention as quant_path
-from . import (attention, cpu_kernels, critical_channels, heavy_hitters, mixed_attention,
-               reconstruct, select)
+from . import (attention, cpu_kernels, critical_channels, heavy_hitters, landmarks,
+               mixed_attention, reconstruct, select)
+from . import rope as rope_ops
 
 _HAS_TRITON = importlib.util.find_spec("triton") is not None
 KERNEL_MODES = ("auto", "triton", "torch")
@@ -63,6 +64,16 @@ def uses_triton(t: torch.Tensor) -> bool:
 def compiled_cpu(t: torch.Tensor) -> bool:
     """Whether work on ``t`` goes to the compiled CPU kernels in the current mode."""
     return _mode == "auto" and t.device.type == "cpu" and cpu_kernels.available()
+
+
+def invert_rope(x, positions, rope, dtype=torch.float32):
+    impl = cpu_kernels if compiled_cpu(x) else rope_ops
+    return impl.invert_rope(x, positions, rope, dtype)
+
+
+def chunk_geometry(keys, chunk_size):
+    impl = cpu_kernels if compiled_cpu(keys) else landmarks
+    return impl.chunk_geometry(keys, chunk_size)
 
 
 def landmark_scores(q, landmarks, lm_rows, lm_start, lm_count, max_count, scale):
