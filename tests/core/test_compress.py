@@ -3,6 +3,7 @@
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from vllm_shadowkv.core.compress import compress_prompt
@@ -55,6 +56,32 @@ def test_bf16_factorisation_keeps_the_fp32_basis_quality():
         a, b = factorize_keys(k, 12)
         errors.append((rebuild_pre_rope(a.float(), b).reshape(tokens, -1) - flat).norm())
     assert errors[0] <= errors[1] * 1.005, errors
+
+
+@pytest.mark.parametrize("failure", ["nan", "not_orthonormal", "no_convergence"])
+def test_eigh_falls_back_to_float64_when_fp32_fails(monkeypatch, failure):
+    """fp32 eigh (MKL) has returned NaN eigenvectors and failed to converge on low-rank Grams:
+    each failure is caught and the basis computed in float64, the same as fp32's when it works."""
+    keys = torch.randn(300, 2, 16) @ torch.diag(torch.linspace(3, 0.1, 16))
+    want = factorize_keys(keys, 10)
+    real, calls = torch.linalg.eigh, []
+
+    def failing(matrix):
+        calls.append(matrix.dtype)
+        result = real(matrix)
+        if matrix.dtype == torch.float64:
+            return result
+        if failure == "no_convergence":
+            raise torch.linalg.LinAlgError("failed to converge")
+        bad = result.eigenvectors.clone()
+        bad[:, -1] = float("nan") if failure == "nan" else 2.0
+        return type(result)((result.eigenvalues, bad))
+
+    monkeypatch.setattr(torch.linalg, "eigh", failing)
+    got = factorize_keys(keys, 10)
+    assert calls == [torch.float32, torch.float64]
+    for g, w in zip(got, want):  # eigenvectors are unique up to sign
+        torch.testing.assert_close(g.abs(), w.abs(), atol=1e-4, rtol=1e-4)
 
 
 def test_landmarks_and_outliers():
