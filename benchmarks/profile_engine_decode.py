@@ -6,9 +6,11 @@ batch of them (``--requests``).
 
 The model defaults to the local Llama-3.1-8B-shape model (2 layers). The prompt (random token
 ids) is prefilled (in chunks, as the scheduler splits it), 3 decode steps warm the compiled
-kernels, then ``--steps`` decode steps run under cProfile. Written: ms per step (cProfile's
-overhead included), the functions by cumulative time and by their own time. For where the
-time goes, not for ratios (benchmarks/throughput.py).
+kernels, then ``--steps`` decode steps run under cProfile. With ``--prefill``, the prefill
+steps are profiled instead (up to every request's first token, after a 1K-token request has
+warmed the engine): where a method's TTFT goes. Written: ms per step (cProfile's overhead
+included), the functions by cumulative time and by their own time. For where the time goes,
+not for ratios (benchmarks/throughput.py).
 """
 
 import argparse
@@ -30,6 +32,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--requests", type=int, default=1, help="decoding side by side")
     parser.add_argument("--model", default=None, help="default: the local llama8b-shape model")
+    parser.add_argument("--prefill", action="store_true",
+                        help="profile the prefill steps, not decode steps")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process
@@ -50,19 +54,28 @@ def main() -> None:
               kv_cache_memory_bytes=args.requests * (400 << 20), **kwargs)
     engine = llm.llm_engine
     rng = random.Random(args.context)
+
+    def add(req_id: str, length: int, max_tokens: int) -> None:
+        prompt = TokensPrompt(prompt_token_ids=[rng.randrange(256) for _ in range(length)])
+        engine.add_request(req_id, prompt, SamplingParams(
+            temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+
+    if args.prefill:
+        add("warm", 1024, 2)
+        while engine.has_unfinished_requests():
+            engine.step()
     for i in range(args.requests):
-        prompt = TokensPrompt(prompt_token_ids=[rng.randrange(256) for _ in range(args.context)])
-        engine.add_request(f"r{i}", prompt, SamplingParams(
-            temperature=0.0, max_tokens=args.steps + 5, ignore_eos=True))
+        add(f"r{i}", args.context, args.steps + 5)
     generated = {}
     # The prefills (several steps when chunked), then 3 decode steps of every request.
-    while len(generated) < args.requests or min(generated.values()) < 4:
+    while not args.prefill and (len(generated) < args.requests or min(generated.values()) < 4):
         generated.update({out.request_id: len(out.outputs[0].token_ids) for out in engine.step()})
     profiler = cProfile.Profile()
     start, steps = time.perf_counter(), 0
     profiler.enable()
-    while engine.has_unfinished_requests() and steps < args.steps:
-        engine.step()
+    while engine.has_unfinished_requests() and (len(generated) < args.requests if args.prefill
+                                                 else steps < args.steps):
+        generated.update({out.request_id: 1 for out in engine.step() if out.outputs[0].token_ids})
         steps += 1
     profiler.disable()
     per_step = 1000 * (time.perf_counter() - start) / steps
@@ -73,7 +86,8 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(f"{args.method} at {args.context} tokens x {args.requests} requests, "
                         f"settings {args.settings}: "
-                        f"{per_step:.1f} ms per decode step over {steps} steps (under cProfile)"
+                        f"{per_step:.1f} ms per {'prefill' if args.prefill else 'decode'} step "
+                        f"over {steps} steps (under cProfile)"
                         f"\n{text.getvalue()}")
     print(f"{per_step:.1f} ms per step; wrote {args.out}")
 
