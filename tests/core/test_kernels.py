@@ -284,7 +284,8 @@ def test_copy_rows(n, width, src_dtype, dst_dtype, gathered):
 
 
 @pytest.mark.parametrize("tokens,h_kv,head_dim,rotary_dim,neox",
-                         [(37, 1, 64, 64, True), (300, 3, 128, 64, False), (2056, 8, 128, 128, True)])
+                         [(37, 1, 64, 64, True), (300, 3, 128, 64, False),
+                          (2056, 8, 128, 128, True)])
 @pytest.mark.parametrize("dtype,out_dtype", [(torch.float32, torch.float32),
                                              (torch.bfloat16, torch.float32),
                                              (torch.bfloat16, torch.bfloat16)])
