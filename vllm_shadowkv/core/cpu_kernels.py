@@ -2,8 +2,9 @@
 by torch.compile (inductor's C++ backend), with the signatures of their torch references in
 select.py, reconstruct.py, quant_attention.py (attention over KIVI groups: each bounded block
 dequantized in one fused pass, QK^T and PV as GEMMs), mixed_attention.py (one row's logits over
-KIVI keys, SpeCache's top-k), critical_channels.py (TailorKV's partial scores) and
-heavy_hitters.py (a tile of MiniKV's column sums).
+KIVI keys, SpeCache's top-k), critical_channels.py (TailorKV's partial scores),
+heavy_hitters.py (a tile of MiniKV's column sums), and rope.py and landmarks.py (the RoPE
+inversion and chunk geometry of ShadowKV's prompt end).
 
 Eager torch spends these stages copying: the landmarks converted to fp32 and permuted before
 a matmul with four columns, the missed A rows gathered by advanced indexing, RoPE as a dozen
