@@ -286,20 +286,18 @@ def test_copy_rows(n, width, src_dtype, dst_dtype, gathered):
 @pytest.mark.parametrize("tokens,h_kv,head_dim,rotary_dim,neox",
                          [(37, 1, 64, 64, True), (300, 3, 128, 64, False),
                           (2056, 8, 128, 128, True)])
-@pytest.mark.parametrize("dtype,out_dtype", [(torch.float32, torch.float32),
-                                             (torch.bfloat16, torch.float32),
-                                             (torch.bfloat16, torch.bfloat16)])
-def test_invert_rope(tokens, h_kv, head_dim, rotary_dim, neox, dtype, out_dtype):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_invert_rope(tokens, h_kv, head_dim, rotary_dim, neox, dtype):
     """The compiled RoPE inversion (ShadowKV's prompt end) against the reference: partial
-    rotary, both pair layouts, positions not starting at 0, fp32 or bf16 out."""
+    rotary, both pair layouts, positions not starting at 0, fp32 out."""
     _kernels("cpu", torch.device("cpu"))
     rope = default_rope(head_dim, 4096, rotary_dim, neox)
     keys = torch.randn(tokens, h_kv, head_dim).to(dtype)
     positions = torch.randperm(4096)[:tokens]
-    got = cpu_kernels.invert_rope(keys, positions, rope, out_dtype)
-    want = rope_ops.invert_rope(keys, positions, rope, out_dtype)
-    assert got.dtype == out_dtype
-    torch.testing.assert_close(got, want, **_tol(out_dtype))
+    got = cpu_kernels.invert_rope(keys, positions, rope)
+    want = rope_ops.invert_rope(keys, positions, rope)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("chunks,chunk_size,h_kv,head_dim", [(3, 8, 1, 64), (257, 8, 8, 128),

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import cpu_kernels, ops
+from . import ops
 from .landmarks import outlier_chunks, selectable_landmarks
 from .lowrank import factorize_keys
 from .params import ShadowKVParams
@@ -75,12 +75,7 @@ def compress_prompt(
         )
 
     split = n_chunks * c
-    # bf16 keys factorize in bf16 where the CPU's bf16 GEMMs are the faster (see lowrank).
-    low = (dtype == torch.bfloat16 and ops.compiled_cpu(keys)
-           and cpu_kernels.native_bf16_gemm())
-    pre_rope = ops.invert_rope(keys[:split], positions[:split], rope,
-                               torch.bfloat16 if low else torch.float32)
-    a, b = factorize_keys(pre_rope, params.rank)
+    a, b = factorize_keys(ops.invert_rope(keys[:split], positions[:split], rope), params.rank)
     landmarks, min_cos = ops.chunk_geometry(keys[:split], c)  # [n_c, h, d], [n_c, h]
     outliers = outlier_chunks(min_cos, params.outlier_chunks)  # [h, o]
 

@@ -83,16 +83,16 @@ torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
 
 # ShadowKV's prompt end: eagerly each is a dozen elementwise passes over the prompt's keys (0.37 s
 # of a 16K layer's 0.78 s compression at Llama-3.1-8B shapes, 1 thread); compiled, one or two.
-def _invert_rope(x, positions, cos_sin, rotary_dim, neox, dtype):
-    return rope_ops.invert_rope(x, positions, RopeCache(cos_sin, rotary_dim, neox), dtype)
+def _invert_rope(x, positions, cos_sin, rotary_dim, neox):
+    return rope_ops.invert_rope(x, positions, RopeCache(cos_sin, rotary_dim, neox))
 
 
 _compiled_invert_rope = _compiled(_invert_rope)
 
 
-def invert_rope(x, positions, rope, dtype=torch.float32):
+def invert_rope(x, positions, rope):
     return _compiled_invert_rope(x, positions, rope.cos_sin_cache, rope.rotary_dim,
-                                 rope.is_neox_style, dtype)
+                                 rope.is_neox_style)
 
 
 chunk_geometry = _compiled(landmarks.chunk_geometry)

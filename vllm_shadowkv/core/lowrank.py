@@ -2,13 +2,11 @@
 
 import torch
 
-GRAM_BLOCK = 1024  # tokens per bf16 partial Gram
 ORTHONORMAL_TOL = 1e-3  # fp32 eigenvectors further from orthonormal: computed in float64
 
 
 def factorize_keys(keys_pre: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """keys_pre [T, h_kv, d] -> (A [T, r] fp32 (bf16 for bf16 keys_pre), B [h_kv, r, d] fp32),
-    r = min(rank, h_kv*d).
+    """keys_pre [T, h_kv, d] -> (A [T, r] fp32, B [h_kv, r, d] fp32), r = min(rank, h_kv*d).
 
     The paper takes an SVD of the [T, h_kv*d] key matrix. We take the eigendecomposition of its
     fp32 Gram matrix K^T K instead: one GEMM over the tall matrix plus an eigh of a small
@@ -18,29 +16,22 @@ def factorize_keys(keys_pre: torch.Tensor, rank: int) -> tuple[torch.Tensor, tor
     needs to project generated keys (A row = k Psi). Squaring the condition number only blurs the
     discarded small directions. With r = h_kv*d, Psi is a full orthonormal basis: A B = K.
 
-    The eigh runs in fp32 (half the time of float64: 70 against 145 ms at 1024^2 on the CPU,
-    which became the larger part of the factorisation once the GEMMs ran in bf16), checked: keys
-    often have a low intrinsic rank (most eigenvalues ~0), and fp32 eigh (MKL) was seen to return
-    NaN eigenvectors or fail to converge on such matrices inside the engine; then, or if the
-    top-r vectors are not orthonormal, it runs again in float64.
+    The eigh runs in fp32 (half the time of float64: 70 against 145 ms at 1024^2 on the CPU),
+    checked: keys often have a low intrinsic rank (most eigenvalues ~0), and fp32 eigh (MKL) was
+    seen to return NaN eigenvectors or fail to converge on such matrices inside the engine; then,
+    or if the top-r vectors are not orthonormal, it runs again in float64.
 
-    bf16 keys_pre (the CPU path, where bf16 GEMMs are the faster ones) multiply as they are, with
-    fp32 accumulation, and A comes out in bf16 (the pages' dtype): 3.4x faster than fp32 at 16K x
-    1024 on AMX. The Gram is summed in fp32 over blocks of GRAM_BLOCK tokens, each block's product
-    rounded to bf16 once (torch's CPU bf16 GEMM has no fp32 output): the rank-r basis then
-    captures the keys as well as the fp32 Gram's (benchmarks/RESULTS.md).
+    The GEMMs stay in fp32 even where the CPU's bf16 GEMMs are faster (3.4x at 16K x 1024 on
+    AMX): torch's CPU bf16 GEMM rounds its product to bf16, and a Gram summed from such products
+    (in fp32, over blocks of 1,024 tokens) moved the basis enough that the demo's constructed
+    model lost three of its four needle values (benchmarks/RESULTS.md).
     """
     num_tokens, num_heads, head_dim = keys_pre.shape
-    low = keys_pre.dtype == torch.bfloat16
-    flat = keys_pre.reshape(num_tokens, num_heads * head_dim)
+    flat = keys_pre.reshape(num_tokens, num_heads * head_dim).float()
     r = min(rank, num_heads * head_dim)
-    if low:
-        gram = sum((block.T @ block).float() for block in flat.split(GRAM_BLOCK))
-    else:
-        flat = flat.float()
-        gram = flat.T @ flat
+    gram = flat.T @ flat
     psi = _top_eigenvectors(gram, r)  # [h_kv*d, r], largest first
-    a = flat @ psi.to(flat.dtype)
+    a = flat @ psi
     b = psi.T.reshape(r, num_heads, head_dim).transpose(0, 1).contiguous()
     return a, b
 

@@ -66,9 +66,9 @@ def compiled_cpu(t: torch.Tensor) -> bool:
     return _mode == "auto" and t.device.type == "cpu" and cpu_kernels.available()
 
 
-def invert_rope(x, positions, rope, dtype=torch.float32):
+def invert_rope(x, positions, rope):
     impl = cpu_kernels if compiled_cpu(x) else rope_ops
-    return impl.invert_rope(x, positions, rope, dtype)
+    return impl.invert_rope(x, positions, rope)
 
 
 def chunk_geometry(keys, chunk_size):

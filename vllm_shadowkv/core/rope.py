@@ -58,10 +58,8 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, rope: RopeCache,
     return _join(x, x1 * cos - x2 * sin, x2 * cos + x1 * sin, rope, dtype or x.dtype)
 
 
-def invert_rope(x: torch.Tensor, positions: torch.Tensor, rope: RopeCache,
-                dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Undo `apply_rope`: post-RoPE x [T, heads, head_dim] -> pre-RoPE keys (fp32 math, ``dtype``
-    out).
+def invert_rope(x: torch.Tensor, positions: torch.Tensor, rope: RopeCache) -> torch.Tensor:
+    """Undo `apply_rope`: post-RoPE x [T, heads, head_dim] -> pre-RoPE keys, fp32.
 
     Each 2x2 block [[c, -s], [s, c]] is inverted as [[c, s], [-s, c]] / (c^2 + s^2): yarn bakes
     its mscale into cos and sin, so the block is a scaled rotation, not an orthogonal one.
@@ -69,4 +67,4 @@ def invert_rope(x: torch.Tensor, positions: torch.Tensor, rope: RopeCache,
     cos, sin = _cos_sin(positions, rope)
     det = cos * cos + sin * sin
     o1, o2 = (p.float() for p in _pairs(x, rope))
-    return _join(x, (o1 * cos + o2 * sin) / det, (o2 * cos - o1 * sin) / det, rope, dtype)
+    return _join(x, (o1 * cos + o2 * sin) / det, (o2 * cos - o1 * sin) / det, rope)
