@@ -66,16 +66,23 @@ def main() -> None:
             engine.step()
     for i in range(args.requests):
         add(f"r{i}", args.context, args.steps + 5)
-    generated = {}
-    # The prefills (several steps when chunked), then 3 decode steps of every request.
-    while not args.prefill and (len(generated) < args.requests or min(generated.values()) < 4):
+    generated: dict[str, int] = {}  # tokens so far, per request
+
+    def step() -> None:
         generated.update({out.request_id: len(out.outputs[0].token_ids) for out in engine.step()})
+
+    def prefilled() -> bool:
+        return len(generated) == args.requests and min(generated.values()) > 0
+
+    if not args.prefill:  # the prefills (several steps when chunked), then 3 decode steps
+        while not prefilled() or min(generated.values()) < 4:
+            step()
     profiler = cProfile.Profile()
     start, steps = time.perf_counter(), 0
     profiler.enable()
-    while engine.has_unfinished_requests() and (len(generated) < args.requests if args.prefill
+    while engine.has_unfinished_requests() and (not prefilled() if args.prefill
                                                  else steps < args.steps):
-        generated.update({out.request_id: 1 for out in engine.step() if out.outputs[0].token_ids})
+        step()
         steps += 1
     profiler.disable()
     per_step = 1000 * (time.perf_counter() - start) / steps
