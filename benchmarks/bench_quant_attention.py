@@ -18,6 +18,7 @@ fp32 (``core.quant_attention``, the reference). Imports no vLLM (runs on a bare 
 """
 
 import argparse
+import itertools
 import json
 import platform
 import time
@@ -113,6 +114,39 @@ def bench_point(fmt, context, batch, reps, device, copy_gbps):
     return row
 
 
+SWEEP = dict(TOKENS_PER_STEP=(16, 32, 64, 128), NUM_WARPS=(4, 8), PROGRAMS_PER_SM=(2, 4, 8))
+
+
+def sweep_point(fmt, context, batch, reps, device):
+    """The Triton kernel's time under each launch setting of ``SWEEP`` (CUDA)."""
+    from vllm_shadowkv.triton_kernels import quant_kernels
+    g = torch.Generator(device).manual_seed(context * 31 + batch)
+    per_request = context // fmt.group
+    pool = _pool(fmt, batch * per_request, device, g)
+    table = torch.randperm(batch * per_request, generator=g, device=device).int()
+    table = table.view(batch, per_request)
+    count = torch.full((batch,), per_request, dtype=torch.int32, device=device)
+    q = torch.randn(batch, 1, H_Q, HEAD_DIM, generator=g, device=device).bfloat16()
+    want = quant_kernels.quant_attention(q, pool, table, count, fmt, HEAD_DIM ** -0.5)[0]
+    defaults = {name: getattr(quant_kernels, name) for name in SWEEP}
+    timings = []
+    for values in itertools.product(*SWEEP.values()):
+        setting = dict(zip(SWEEP, values))
+        if setting["TOKENS_PER_STEP"] < fmt.group and setting["TOKENS_PER_STEP"] != 16:
+            continue  # one group per step already
+        for name, value in setting.items():
+            setattr(quant_kernels, name, value)
+        run = lambda: quant_kernels.quant_attention(q, pool, table, count, fmt, HEAD_DIM ** -0.5)
+        err = float((run()[0].float() - want.float()).norm() / want.float().norm())
+        timings.append(dict(setting, ms=_time_ms(run, device, reps), rel_diff=err))
+    for name, value in defaults.items():
+        setattr(quant_kernels, name, value)
+    default_ms = next(t["ms"] for t in timings
+                      if all(t[k] == v for k, v in defaults.items()))
+    return dict(format=str(fmt), context=context, batch=batch, default_ms=default_ms,
+                best=min(timings, key=lambda t: t["ms"]), timings=timings)
+
+
 def _copy_gbps(device):
     if device.type != "cuda":
         return None
@@ -144,6 +178,8 @@ def main():
                         help="CPU: fp32 keys dequantized per block (default: the library's)")
     parser.add_argument("--fp32-values", action="store_true",
                         help="CPU: P.V in fp32 even where bf16 GEMMs are native")
+    parser.add_argument("--sweep", action="store_true",
+                        help="CUDA: time the Triton kernel under each launch setting instead")
     args = parser.parse_args()
     if args.block_mib:
         reference.BLOCK_BYTES = int(args.block_mib * 2**20)
@@ -152,8 +188,11 @@ def main():
     device = torch.device(args.device)
     contexts = [int(x) for x in args.contexts.split(",")]
     batches = [int(x) for x in args.batches.split(",")]
-    copy_gbps = _copy_gbps(device)
     points = [(f, c, b) for f in FORMATS.values() for c in contexts for b in batches]
+    if args.sweep:
+        _sweep(points, args, device)
+        return
+    copy_gbps = _copy_gbps(device)
     results = [bench_point(f, c, b, args.reps, device, copy_gbps)
                for f, c, b in tqdm(points, desc="quant attention")]
     report = dict(device=args.device, machine=platform.processor() or platform.machine(),
@@ -177,6 +216,30 @@ def main():
               f"{r['speedup_vs_sdpa']:>6.2f} {r.get('speedup_vs_dense_floor', 0):>7.2f} "
               f"{r.get('logits_ms', 0):>9.3f} {r.get('spec_two_pass_ms', 0):>16.3f} "
               f"{r.get('spec_one_pass_ms', 0):>7.3f} {r.get('rel_err_vs_reference', float('nan')):>8.1e}")
+    print(f"wrote {out}")
+
+
+def _sweep(points, args, device):
+    results = [sweep_point(f, c, b, args.reps, device) for f, c, b in tqdm(points, desc="sweep")]
+    out = Path(args.out or Path(__file__).with_name(f"quant_attention_sweep_{args.device}.json"))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
+                                   sweep=SWEEP, results=results), indent=1))
+    print(f"{'bits':>4} {'ctx':>7} {'B':>3} {'default ms':>10} {'best ms':>8}  best setting")
+    for r in results:
+        best = {k: v for k, v in r["best"].items() if k in SWEEP}
+        print(f"{r['format'].split('bits=')[1].split(',')[0]:>4} {r['context']:>7} "
+              f"{r['batch']:>3} {r['default_ms']:>10.3f} {r['best']['ms']:>8.3f}  {best}")
+    # One setting for every point: the least total time relative to each point's best.
+    settings = {tuple((k, t[k]) for k in SWEEP) for r in results for t in r["timings"]}
+    def cost(setting):
+        return sum(next((t["ms"] for t in r["timings"]
+                         if all(t[k] == v for k, v in setting)), float("inf")) / r["best"]["ms"]
+                   for r in results)
+    ranked = sorted(settings, key=cost)[:5]
+    for setting in ranked:
+        print(f"mean of time / best over the points {cost(setting) / len(results):.3f}: "
+              f"{dict(setting)}")
     print(f"wrote {out}")
 
 

@@ -8,7 +8,8 @@
 # SpeCache), ShadowKV's decode step, the engine's exact attention (the paged Triton kernel
 # against its gathered-SDPA predecessor, time and peak memory) and MiniKV's column sums.
 # Each phase has its own time limit and a failed phase does not stop the next; ONLY names the
-# phases to run (default all but profile_quant, Nsight Compute on the quantized-page kernel).
+# phases to run (default all but quant_sweep, the quantized-page kernel's launch settings, and
+# profile_quant, Nsight Compute on that kernel).
 # On an H200 (2026-11-27): the tests about 190 s with 14 workers (kernel compilation), the four
 # benchmarks 80 s, Nsight Compute 40 s; a machine's start about 35 s of device time.
 #   bash scripts/gpu_checks.sh [RESULTS_DIR]      (default gpu_results/)
@@ -38,12 +39,15 @@ phase() {  # phase NAME SECONDS CMD...: run, log to RESULTS/NAME.txt, record the
 # package from .gpu_pkg, not the checkout (which has no vllm_shadowkv/triton_kernels). The
 # compiled CPU kernels are left to CI, on the torch that vLLM pins (torch 2.11's dynamo fails
 # on their shift by a symbolic bit count).
-phase gpu_tests "${TESTS_S:-180}" $PY -P -m pytest -v -p no:cacheprovider --rootdir=. -c /dev/null \
-    -n "${WORKERS:-14}" -k "not compiled" tests/core --ignore=tests/core/test_rope.py \
+# TESTS picks a subset of these.
+phase gpu_tests "${TESTS_S:-300}" $PY -P -m pytest -v -p no:cacheprovider --rootdir=. -c /dev/null \
+    -n "${WORKERS:-14}" -k "not compile" ${TESTS:-tests/core --ignore=tests/core/test_rope.py \
     "tests/unit/test_pages.py::test_paged_sparse_decode_on_cuda_matches_cpu" \
-    "tests/unit/test_specache_pages.py::test_a_slot_fetch_completed_later_brings_the_wanted_rows"
+    "tests/unit/test_specache_pages.py::test_a_slot_fetch_completed_later_brings_the_wanted_rows"}
 phase quant_attention 90 $PY benchmarks/bench_quant_attention.py --device cuda \
     --out "$RESULTS/quant_attention_cuda.json"
+phase quant_sweep "${SWEEP_S:-240}" $PY benchmarks/bench_quant_attention.py --device cuda --sweep \
+    --batches 1,16 --reps 5 --out "$RESULTS/quant_attention_sweep_cuda.json"
 phase decode_step 120 $PY benchmarks/bench_decode_step.py --device cuda \
     --contexts 32768,131072 --batches 1,4,16 --out "$RESULTS/decode_step_cuda.json"
 phase exact_attention 60 $PY benchmarks/bench_exact_attention.py --device cuda --reps 3 \

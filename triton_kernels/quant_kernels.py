@@ -24,45 +24,57 @@ from .splits import split_count
 
 _MIN_DOT = 16  # tl.dot needs every dimension >= 16
 _MAX_ROWS = 64  # query rows per program
+# Launch settings, an H200's best (benchmarks/bench_quant_attention.py --sweep). A loop step
+# takes whole token groups, several only where the group is a power of two: the loop is bound
+# by the latency of its dependent loads (table entry, then the group), not by bandwidth.
+TOKENS_PER_STEP = 64
+NUM_WARPS = 4
+PROGRAMS_PER_SM = 2
 
 
 @triton.jit
-def _dequant_tile(codes_ptr, scale_ptr, zero_ptr, offs_t, offs_d, t_mask, d_mask,
-                  s_t, s_w, s_pt, s_pd, PARAM_PER_TOKEN: tl.constexpr,
-                  PARAM_CHANNELS: tl.constexpr, PARAM_BLOCKS: tl.constexpr, BITS: tl.constexpr,
-                  HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
-    # [BLOCK_T, BLOCK_D] fp32 tile of one token group of one KV head. Channel c's code is at
-    # word c // per_word, bits (c % per_word) * BITS. Keys have one scale/zero per channel;
-    # values one per (token, channel group). Scale and zero share their strides (s_pt, s_pd).
-    # Each word, scale and zero is loaded once and spread over its channels in registers: a
-    # load per channel made the kernel bound by L1 requests (92 % of L1, 1.5 % of DRAM on an
-    # H200).
+def _dequant_tile(code_rows, scale_rows, zero_rows, t_mask, g_mask, offs_d, d_mask, s_w, s_pd,
+                  PARAM_PER_TOKEN: tl.constexpr, PARAM_CHANNELS: tl.constexpr,
+                  PARAM_BLOCKS: tl.constexpr, BITS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  GROUPS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    # [BLOCK_T, BLOCK_D] fp32 tile of GROUPS token groups of one KV head, BLOCK_T // GROUPS
+    # token rows each. code_rows [BLOCK_T]: each token's first code word; channel c's code is
+    # at word c // per_word, bits (c % per_word) * BITS. Keys: scale_rows/zero_rows [GROUPS],
+    # each group's [channels] row, spread over its tokens. Values: [BLOCK_T], each token's
+    # [channel groups] row. Scale and zero share their strides. Each word, scale and zero is
+    # loaded once and spread over its channels in registers: a load per channel made the
+    # kernel bound by L1 requests (92 % of L1, 1.5 % of DRAM on an H200).
     per_word: tl.constexpr = 32 // BITS
     offs_w = tl.arange(0, BLOCK_D // per_word)
-    words = tl.load(codes_ptr + offs_t[:, None] * s_t + offs_w[None, :] * s_w,
+    words = tl.load(code_rows[:, None] + offs_w[None, :] * s_w,
                     mask=t_mask[:, None] & (offs_w < HEAD_DIM // per_word)[None, :], other=0)
     shifts = tl.arange(0, per_word) * BITS
     codes = (words[:, :, None] >> shifts[None, None, :]) & ((1 << BITS) - 1)
     codes = tl.reshape(codes, [BLOCK_T, BLOCK_D]).to(tl.float32)
-    if not PARAM_PER_TOKEN:  # keys: a [channels] row shared by the group's tokens
-        scale = tl.load(scale_ptr + offs_d * s_pd, mask=d_mask, other=0.0).to(tl.float32)
-        zero = tl.load(zero_ptr + offs_d * s_pd, mask=d_mask, other=0.0).to(tl.float32)
-        return codes * scale[None, :] + zero[None, :]
+    if not PARAM_PER_TOKEN:  # keys: one [channels] row per group
+        at = offs_d[None, :] * s_pd
+        mask = g_mask[:, None] & d_mask[None, :]
+        shape: tl.constexpr = [GROUPS, BLOCK_T // GROUPS, BLOCK_D]
+        scale = tl.load(scale_rows[:, None] + at, mask=mask, other=0.0).to(tl.float32)
+        zero = tl.load(zero_rows[:, None] + at, mask=mask, other=0.0).to(tl.float32)
+        scale = tl.reshape(tl.broadcast_to(scale[:, None, :], shape), [BLOCK_T, BLOCK_D])
+        zero = tl.reshape(tl.broadcast_to(zero[:, None, :], shape), [BLOCK_T, BLOCK_D])
+        return codes * scale + zero
     elif PARAM_BLOCKS:  # values, channel groups tiling BLOCK_D: [tokens, groups] spread
         offs_p = tl.arange(0, BLOCK_D // PARAM_CHANNELS)
-        at = offs_t[:, None] * s_pt + offs_p[None, :] * s_pd
+        at = offs_p[None, :] * s_pd
         mask = t_mask[:, None] & (offs_p < HEAD_DIM // PARAM_CHANNELS)[None, :]
         shape: tl.constexpr = [BLOCK_T, BLOCK_D // PARAM_CHANNELS, PARAM_CHANNELS]
-        scale = tl.load(scale_ptr + at, mask=mask, other=0.0).to(tl.float32)
-        zero = tl.load(zero_ptr + at, mask=mask, other=0.0).to(tl.float32)
+        scale = tl.load(scale_rows[:, None] + at, mask=mask, other=0.0).to(tl.float32)
+        zero = tl.load(zero_rows[:, None] + at, mask=mask, other=0.0).to(tl.float32)
         scale = tl.reshape(tl.broadcast_to(scale[:, :, None], shape), [BLOCK_T, BLOCK_D])
         zero = tl.reshape(tl.broadcast_to(zero[:, :, None], shape), [BLOCK_T, BLOCK_D])
         return codes * scale + zero
     else:  # values, any other channel group: one load per channel
-        at = offs_t[:, None] * s_pt + (offs_d // PARAM_CHANNELS)[None, :] * s_pd
+        at = (offs_d // PARAM_CHANNELS)[None, :] * s_pd
         mask = t_mask[:, None] & d_mask[None, :]
-        scale = tl.load(scale_ptr + at, mask=mask, other=0.0).to(tl.float32)
-        zero = tl.load(zero_ptr + at, mask=mask, other=0.0).to(tl.float32)
+        scale = tl.load(scale_rows[:, None] + at, mask=mask, other=0.0).to(tl.float32)
+        zero = tl.load(zero_rows[:, None] + at, mask=mask, other=0.0).to(tl.float32)
         return codes * scale + zero
 
 
@@ -76,7 +88,7 @@ def _quant_attention_kernel(
     s_tb, s_tj, s_lb, s_lh, groups_per_split, scale,
     H_KV: tl.constexpr, GROUP: tl.constexpr, S_Q: tl.constexpr, HEAD_DIM: tl.constexpr,
     TOKENS: tl.constexpr, VALUE_GROUP: tl.constexpr, VALUE_BLOCKS: tl.constexpr,
-    BITS: tl.constexpr, IEEE: tl.constexpr,
+    BITS: tl.constexpr, IEEE: tl.constexpr, GROUPS: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
     LOGITS_ROW: tl.constexpr,  # -1: no logits stored
 ):
@@ -91,8 +103,11 @@ def _quant_attention_kernel(
     r_mask = offs_r < rows
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_DIM
+    # A loop step takes GROUPS table entries, BLOCK_T // GROUPS token rows each.
+    offs_g = tl.arange(0, GROUPS)
     offs_t = tl.arange(0, BLOCK_T)
-    t_mask = offs_t < TOKENS
+    slot = offs_t // (BLOCK_T // GROUPS)
+    token = offs_t % (BLOCK_T // GROUPS)
 
     head = h * GROUP + offs_r // S_Q
     q = tl.load(q_ptr + b * s_qb + (offs_r % S_Q)[:, None] * s_qs + head[:, None] * s_qh
@@ -106,26 +121,32 @@ def _quant_attention_kernel(
     count = tl.load(count_ptr + b)
     first = split * groups_per_split
     last = tl.minimum(first + groups_per_split, count)
-    for j in range(first, last):
-        gid = tl.load(table_ptr + b * s_tb + j * s_tj).to(tl.int64)
+    table = table_ptr + b * s_tb
+    for j in range(first, last, GROUPS):
+        g_mask = j + offs_g < last
+        t_mask = (token < TOKENS) & (j + slot < last)
+        gid = tl.load(table + (j + offs_g) * s_tj, mask=g_mask, other=0).to(tl.int64)
+        gid_t = tl.load(table + (j + slot) * s_tj, mask=t_mask, other=0).to(tl.int64)
         k_param = gid * s_kpn + h * s_kph
-        k = _dequant_tile(kc_ptr + gid * s_kcn + h * s_kch, ks_ptr + k_param, kz_ptr + k_param,
-                          offs_t, offs_d, t_mask, d_mask, s_kct, s_kcw, 0, s_kpd, False, 1,
-                          False, BITS, HEAD_DIM, BLOCK_T, BLOCK_D)
+        k = _dequant_tile(kc_ptr + gid_t * s_kcn + h * s_kch + token * s_kct,
+                          ks_ptr + k_param, kz_ptr + k_param, t_mask, g_mask, offs_d, d_mask,
+                          s_kcw, s_kpd, False, 1, False, BITS, HEAD_DIM, GROUPS, BLOCK_T,
+                          BLOCK_D)
         logits = tl.dot(q, tl.trans(k), input_precision=precision) * scale  # [R, T]
         if LOGITS_ROW >= 0:
             row_mask = r_mask & (offs_r % S_Q == LOGITS_ROW)
             tl.store(logits_ptr + b * s_lb + head[:, None] * s_lh
-                     + (j * TOKENS + offs_t)[None, :], logits,
+                     + ((j + slot) * TOKENS + token)[None, :], logits,
                      mask=row_mask[:, None] & t_mask[None, :])
         logits = tl.where(t_mask[None, :], logits, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(logits, axis=1))  # finite: a group has a token
+        m_new = tl.maximum(m_i, tl.max(logits, axis=1))  # finite: entry j has a token
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(logits - m_new[:, None])
-        v_param = gid * s_vpn + h * s_vph
-        v = _dequant_tile(vc_ptr + gid * s_vcn + h * s_vch, vs_ptr + v_param, vz_ptr + v_param,
-                          offs_t, offs_d, t_mask, d_mask, s_vct, s_vcw, s_vpt, s_vpd, True,
-                          VALUE_GROUP, VALUE_BLOCKS, BITS, HEAD_DIM, BLOCK_T, BLOCK_D)
+        v_param = gid_t * s_vpn + h * s_vph + token * s_vpt
+        v = _dequant_tile(vc_ptr + gid_t * s_vcn + h * s_vch + token * s_vct,
+                          vs_ptr + v_param, vz_ptr + v_param, t_mask, g_mask, offs_d, d_mask,
+                          s_vcw, s_vpd, True, VALUE_GROUP, VALUE_BLOCKS, BITS, HEAD_DIM,
+                          GROUPS, BLOCK_T, BLOCK_D)
         acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=precision)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         m_i = m_new
@@ -134,10 +155,10 @@ def _quant_attention_kernel(
     l_safe = tl.maximum(l_i, 1e-30)
     out = acc / l_safe[:, None]
     lse = tl.where(l_i > 0.0, m_i + tl.log(l_safe), float("-inf"))
-    slot = (pid_bh * n_splits + split).to(tl.int64) * rows + offs_r
-    tl.store(out_ptr + slot[:, None] * HEAD_DIM + offs_d[None, :], out,
+    slot_out = (pid_bh * n_splits + split).to(tl.int64) * rows + offs_r
+    tl.store(out_ptr + slot_out[:, None] * HEAD_DIM + offs_d[None, :], out,
              mask=r_mask[:, None] & d_mask[None, :])
-    tl.store(lse_ptr + slot, lse, mask=r_mask)
+    tl.store(lse_ptr + slot_out, lse, mask=r_mask)
 
 
 @triton.jit
@@ -172,10 +193,12 @@ def _quant_logits_kernel(
                     + offs_d[None, :] * s_qd, mask=r_mask[:, None] & d_mask[None, :],
                     other=0.0).to(tl.float32)
         gid = tl.load(table_ptr + b * s_tb + j * s_tj).to(tl.int64)
-        k_param = gid * s_kpn + h * s_kph
-        k = _dequant_tile(kc_ptr + gid * s_kcn + h * s_kch, ks_ptr + k_param, kz_ptr + k_param,
-                          offs_t, offs_d, t_mask, d_mask, s_kct, s_kcw, 0, s_kpd, False, 1,
-                          False, BITS, HEAD_DIM, BLOCK_T, BLOCK_D)
+        one = tl.arange(0, 1)  # the tile's single group
+        k_param = gid * s_kpn + h * s_kph + one
+        k = _dequant_tile(kc_ptr + gid * s_kcn + h * s_kch + offs_t * s_kct,
+                          ks_ptr + k_param, kz_ptr + k_param, t_mask, one == 0, offs_d,
+                          d_mask, s_kcw, s_kpd, False, 1, False, BITS, HEAD_DIM, 1, BLOCK_T,
+                          BLOCK_D)
         precision: tl.constexpr = "ieee" if IEEE else "tf32"
         logits = tl.dot(q, tl.trans(k), input_precision=precision) * scale  # [R, T]
         tl.store(out, logits, mask=out_mask)
@@ -198,7 +221,10 @@ def quant_attention(q, groups, group_table, group_count, fmt: KiviFormat, scale,
     group = h_q // h_kv
     rows = group * s_q
     max_groups = group_table.shape[1]
-    n_splits = split_count(batch * h_kv, max_groups, q.device, per_sm=2)  # >= 1 group each
+    group_tokens = max(_MIN_DOT, triton.next_power_of_2(tokens))
+    n_groups = max(1, TOKENS_PER_STEP // group_tokens) if group_tokens == tokens else 1
+    steps = triton.cdiv(max_groups, n_groups)
+    n_splits = split_count(batch * h_kv, steps, q.device, PROGRAMS_PER_SM)  # >= 1 step each
     block_r = max(_MIN_DOT, min(_MAX_ROWS, triton.next_power_of_2(rows)))
     block_d = max(_MIN_DOT, triton.next_power_of_2(head_dim))
     part_out = torch.empty(batch, h_kv, n_splits, rows, head_dim, dtype=torch.float32,
@@ -218,13 +244,13 @@ def quant_attention(q, groups, group_table, group_count, fmt: KiviFormat, scale,
         q, kc, ks, kz, vc, vs, vz, group_table, group_count, part_out, part_lse, logits,
         *q.stride(), *kc.stride(), *ks.stride(), *vc.stride(), *vs.stride(),
         *group_table.stride(), *logits.stride()[:2],
-        triton.cdiv(max_groups, n_splits), scale,
+        triton.cdiv(steps, n_splits) * n_groups, scale,
         H_KV=h_kv, GROUP=group, S_Q=s_q, HEAD_DIM=head_dim, TOKENS=tokens,
         VALUE_GROUP=fmt.value_group, VALUE_BLOCKS=block_d % fmt.value_group == 0
         and fmt.value_group == triton.next_power_of_2(fmt.value_group),
-        BITS=fmt.bits, IEEE=q.dtype == torch.float32, BLOCK_R=block_r,
-        BLOCK_T=max(_MIN_DOT, triton.next_power_of_2(tokens)), BLOCK_D=block_d,
-        LOGITS_ROW=-1 if logits_row is None else logits_row)
+        BITS=fmt.bits, IEEE=q.dtype == torch.float32, GROUPS=n_groups, BLOCK_R=block_r,
+        BLOCK_T=n_groups * group_tokens, BLOCK_D=block_d,
+        LOGITS_ROW=-1 if logits_row is None else logits_row, num_warps=NUM_WARPS)
     out, lse = merge_stacked(part_out.movedim(2, 0), part_lse.movedim(2, 0))
     # [B, h_kv, group, s_q, ...] -> [B, s_q, h_q, ...]
     out = out.view(batch, h_kv, group, s_q, head_dim).permute(0, 3, 1, 2, 4)
