@@ -114,7 +114,8 @@ def bench_point(fmt, context, batch, reps, device, copy_gbps):
     return row
 
 
-SWEEP = dict(TOKENS_PER_STEP=(16, 32, 64, 128), NUM_WARPS=(4, 8), PROGRAMS_PER_SM=(2, 4, 8))
+SWEEP = dict(TOKENS_PER_STEP=(16, 32, 64, 128), MIN_GROUPS_PER_STEP=(1, 2), NUM_WARPS=(4, 8),
+             PROGRAMS_PER_SM=(2, 4, 8))
 
 
 def sweep_point(fmt, context, batch, reps, device):
@@ -129,22 +130,30 @@ def sweep_point(fmt, context, batch, reps, device):
     q = torch.randn(batch, 1, H_Q, HEAD_DIM, generator=g, device=device).bfloat16()
     want = quant_kernels.quant_attention(q, pool, table, count, fmt, HEAD_DIM ** -0.5)[0]
     defaults = {name: getattr(quant_kernels, name) for name in SWEEP}
-    timings = []
+    timings, seen = [], {}
     for values in itertools.product(*SWEEP.values()):
         setting = dict(zip(SWEEP, values))
-        if setting["TOKENS_PER_STEP"] < fmt.group and setting["TOKENS_PER_STEP"] != 16:
-            continue  # one group per step already
+        launch = (_groups_per_step(setting, fmt), setting["NUM_WARPS"],
+                  setting["PROGRAMS_PER_SM"])
+        if launch in seen:  # the same launch as a setting timed already
+            continue
         for name, value in setting.items():
             setattr(quant_kernels, name, value)
         run = lambda: quant_kernels.quant_attention(q, pool, table, count, fmt, HEAD_DIM ** -0.5)
         err = float((run()[0].float() - want.float()).norm() / want.float().norm())
-        timings.append(dict(setting, ms=_time_ms(run, device, reps), rel_diff=err))
+        seen[launch] = dict(setting, groups_per_step=launch[0], ms=_time_ms(run, device, reps),
+                            rel_diff=err)
+        timings.append(seen[launch])
     for name, value in defaults.items():
         setattr(quant_kernels, name, value)
-    default_ms = next(t["ms"] for t in timings
-                      if all(t[k] == v for k, v in defaults.items()))
-    return dict(format=str(fmt), context=context, batch=batch, default_ms=default_ms,
+    default = seen[(_groups_per_step(defaults, fmt), defaults["NUM_WARPS"],
+                    defaults["PROGRAMS_PER_SM"])]
+    return dict(format=str(fmt), context=context, batch=batch, default_ms=default["ms"],
                 best=min(timings, key=lambda t: t["ms"]), timings=timings)
+
+
+def _groups_per_step(setting, fmt):  # as quant_kernels.quant_attention takes them
+    return max(setting["MIN_GROUPS_PER_STEP"], setting["TOKENS_PER_STEP"] // fmt.group)
 
 
 def _copy_gbps(device):
@@ -232,10 +241,17 @@ def _sweep(points, args, device):
               f"{r['batch']:>3} {r['default_ms']:>10.3f} {r['best']['ms']:>8.3f}  {best}")
     # One setting for every point: the least total time relative to each point's best.
     settings = {tuple((k, t[k]) for k in SWEEP) for r in results for t in r["timings"]}
-    def cost(setting):
-        return sum(next((t["ms"] for t in r["timings"]
-                         if all(t[k] == v for k, v in setting)), float("inf")) / r["best"]["ms"]
-                   for r in results)
+
+    def cost(setting):  # a point where this setting's launch was timed under another name
+        total = 0.0
+        for r in results:
+            fmt = next(f for f in FORMATS.values() if str(f) == r["format"])
+            launch = (_groups_per_step(dict(setting), fmt), dict(setting)["NUM_WARPS"],
+                      dict(setting)["PROGRAMS_PER_SM"])
+            total += next(t["ms"] for t in r["timings"] if (
+                t["groups_per_step"], t["NUM_WARPS"], t["PROGRAMS_PER_SM"]) == launch) \
+                / r["best"]["ms"]
+        return total
     ranked = sorted(settings, key=cost)[:5]
     for setting in ranked:
         print(f"mean of time / best over the points {cost(setting) / len(results):.3f}: "

@@ -10,8 +10,9 @@
 # Each phase has its own time limit and a failed phase does not stop the next; ONLY names the
 # phases to run (default all but quant_sweep, the quantized-page kernel's launch settings, and
 # profile_quant, Nsight Compute on that kernel).
-# On an H200 (2026-11-27): the tests about 190 s with 14 workers (kernel compilation), the four
-# benchmarks 80 s, Nsight Compute 40 s; a machine's start about 35 s of device time.
+# On an H200: the tests about 260 s with 14 workers (kernel compilation; 2026-11-28), the four
+# benchmarks 80 s, the sweep 65 s, Nsight Compute 40 s; a machine's start about 35 s of device
+# time.
 #   bash scripts/gpu_checks.sh [RESULTS_DIR]      (default gpu_results/)
 #   ONLY="gpu_tests quant_attention" bash scripts/gpu_checks.sh
 set -uo pipefail

@@ -25,11 +25,13 @@ from .splits import split_count
 _MIN_DOT = 16  # tl.dot needs every dimension >= 16
 _MAX_ROWS = 64  # query rows per program
 # Launch settings, an H200's best (benchmarks/bench_quant_attention.py --sweep). A loop step
-# takes whole token groups, several only where the group is a power of two: the loop is bound
-# by the latency of its dependent loads (table entry, then the group), not by bandwidth.
+# takes whole token groups, at least MIN_GROUPS_PER_STEP, several only where the group is a
+# power of two: the loop is bound by the latency of its dependent loads (table entry, then the
+# group), not by bandwidth.
 TOKENS_PER_STEP = 64
+MIN_GROUPS_PER_STEP = 2
 NUM_WARPS = 4
-PROGRAMS_PER_SM = 2
+PROGRAMS_PER_SM = 8
 
 
 @triton.jit
@@ -222,7 +224,8 @@ def quant_attention(q, groups, group_table, group_count, fmt: KiviFormat, scale,
     rows = group * s_q
     max_groups = group_table.shape[1]
     group_tokens = max(_MIN_DOT, triton.next_power_of_2(tokens))
-    n_groups = max(1, TOKENS_PER_STEP // group_tokens) if group_tokens == tokens else 1
+    n_groups = max(MIN_GROUPS_PER_STEP, TOKENS_PER_STEP // group_tokens) \
+        if group_tokens == tokens else 1
     steps = triton.cdiv(max_groups, n_groups)
     n_splits = split_count(batch * h_kv, steps, q.device, PROGRAMS_PER_SM)  # >= 1 step each
     block_r = max(_MIN_DOT, min(_MAX_ROWS, triton.next_power_of_2(rows)))
