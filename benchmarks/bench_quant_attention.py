@@ -115,7 +115,7 @@ def bench_point(fmt, context, batch, reps, device, copy_gbps):
 
 
 SWEEP = dict(TOKENS_PER_STEP=(16, 32, 64, 128), MIN_GROUPS_PER_STEP=(1, 2), NUM_WARPS=(4, 8),
-             PROGRAMS_PER_SM=(2, 4, 8))
+             PROGRAMS_PER_SM=(2, 4, 8), DOT_16BIT=(False, True))
 
 
 def sweep_point(fmt, context, batch, reps, device):
@@ -133,27 +133,29 @@ def sweep_point(fmt, context, batch, reps, device):
     timings, seen = [], {}
     for values in itertools.product(*SWEEP.values()):
         setting = dict(zip(SWEEP, values))
-        launch = (_groups_per_step(setting, fmt), setting["NUM_WARPS"],
-                  setting["PROGRAMS_PER_SM"])
+        launch = _launch(setting, fmt)
         if launch in seen:  # the same launch as a setting timed already
             continue
         for name, value in setting.items():
             setattr(quant_kernels, name, value)
         run = lambda: quant_kernels.quant_attention(q, pool, table, count, fmt, HEAD_DIM ** -0.5)
         err = float((run()[0].float() - want.float()).norm() / want.float().norm())
-        seen[launch] = dict(setting, groups_per_step=launch[0], ms=_time_ms(run, device, reps),
-                            rel_diff=err)
+        seen[launch] = dict(setting, ms=_time_ms(run, device, reps), rel_diff=err)
         timings.append(seen[launch])
     for name, value in defaults.items():
         setattr(quant_kernels, name, value)
-    default = seen[(_groups_per_step(defaults, fmt), defaults["NUM_WARPS"],
-                    defaults["PROGRAMS_PER_SM"])]
+    default = seen[_launch(defaults, fmt)]
     return dict(format=str(fmt), context=context, batch=batch, default_ms=default["ms"],
                 best=min(timings, key=lambda t: t["ms"]), timings=timings)
 
 
-def _groups_per_step(setting, fmt):  # as quant_kernels.quant_attention takes them
-    return max(setting["MIN_GROUPS_PER_STEP"], setting["TOKENS_PER_STEP"] // fmt.group)
+def _launch(setting, fmt):
+    """A setting's launch: its token groups per step (as quant_kernels.quant_attention takes
+    them) and the other settings."""
+    groups = max(setting["MIN_GROUPS_PER_STEP"], setting["TOKENS_PER_STEP"] // fmt.group)
+    rest = tuple(setting[k] for k in SWEEP if k not in ("TOKENS_PER_STEP",
+                                                          "MIN_GROUPS_PER_STEP"))
+    return (groups, *rest)
 
 
 def _copy_gbps(device):
@@ -242,15 +244,13 @@ def _sweep(points, args, device):
     # One setting for every point: the least total time relative to each point's best.
     settings = {tuple((k, t[k]) for k in SWEEP) for r in results for t in r["timings"]}
 
-    def cost(setting):  # a point where this setting's launch was timed under another name
+    def cost(setting):  # a point may have timed this setting's launch under another name
         total = 0.0
         for r in results:
             fmt = next(f for f in FORMATS.values() if str(f) == r["format"])
-            launch = (_groups_per_step(dict(setting), fmt), dict(setting)["NUM_WARPS"],
-                      dict(setting)["PROGRAMS_PER_SM"])
-            total += next(t["ms"] for t in r["timings"] if (
-                t["groups_per_step"], t["NUM_WARPS"], t["PROGRAMS_PER_SM"]) == launch) \
-                / r["best"]["ms"]
+            launch = _launch(dict(setting), fmt)
+            total += next(t["ms"] for t in r["timings"]
+                          if _launch(t, fmt) == launch) / r["best"]["ms"]
         return total
     ranked = sorted(settings, key=cost)[:5]
     for setting in ranked:

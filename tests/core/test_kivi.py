@@ -237,7 +237,11 @@ def _check_attention(impl, case, dtype, device="cpu"):
     assert lse.dtype == torch.float32 and lse.shape == q.shape[:3]
     tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(out.cpu(), want_out, **tol)
-    torch.testing.assert_close(lse.cpu(), want_lse, atol=1e-3, rtol=1e-4)
+    # On CUDA 16-bit queries take 16-bit dots (FlashAttention's precision): the bf16 keys move
+    # the logits by up to 0.02 (an H200, 2026-11-28).
+    lse_tol = dict(atol=4e-2, rtol=5e-3) if q.is_cuda and dtype != torch.float32 else \
+        dict(atol=1e-3, rtol=1e-4)
+    torch.testing.assert_close(lse.cpu(), want_lse, **lse_tol)
 
 
 @pytest.mark.parametrize("case", ATTENTION_CASES, ids=_case_id)

@@ -174,7 +174,7 @@ def test_swapped_in_slots_equal_the_mixed_cache(impl, case, dtype, kernel_device
     assert part[0].dtype == dtype
     out, lse = _with_residual(r, part, residual_k, residual_v)
     want_out, want_lse = _mixed_cache_reference(r, tokens, residual_k, residual_v)
-    # bf16: the pass's P.V and its output are bf16 (tf32 dots on CUDA).
+    # bf16: the pass's P.V and its output are bf16 (16-bit dots on CUDA).
     tol = 1e-4 if dtype == torch.float32 and not r.q.is_cuda else 2e-2
     torch.testing.assert_close(out.float(), want_out, atol=tol, rtol=tol)
     torch.testing.assert_close(lse, want_lse, atol=tol, rtol=tol)
@@ -233,7 +233,9 @@ def test_logits_row_from_the_attention_pass(impl, case, kernel_device, monkeypat
         with ops.kernel_mode(KERNEL_MODES[impl]):
             want = ops.quant_logits(r.q[:, row], r.pool, r.table, r.count, fmt, r.scale)
         assert logits.shape == want.shape == (len(counts), h_kv * gqa, max(counts) * fmt.group)
-        tol = 3e-3 if logits.is_cuda else 1e-5  # tf32 dots on CUDA, as above
+        # On CUDA the attention pass takes 16-bit dots (bf16 keys: logits off by up to 0.02 on
+        # an H200), quant_logits tf32 ones.
+        tol = 4e-2 if logits.is_cuda else 1e-5
         torch.testing.assert_close(logits, want, atol=tol, rtol=tol)
 
 
