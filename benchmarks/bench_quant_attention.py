@@ -65,7 +65,9 @@ def _pool(fmt, n_groups, device, g):
     return pool
 
 
-def bench_point(fmt, context, batch, reps, device, copy_gbps):
+def _requests(fmt, context, batch, device):
+    """``batch`` requests of ``context`` tokens, their groups scattered through one pool: (the
+    generator, groups per request, pool, group table, group counts, one decode query each)."""
     g = torch.Generator(device).manual_seed(context * 31 + batch)
     per_request = context // fmt.group
     pool = _pool(fmt, batch * per_request, device, g)
@@ -73,6 +75,11 @@ def bench_point(fmt, context, batch, reps, device, copy_gbps):
     table = table.view(batch, per_request)
     count = torch.full((batch,), per_request, dtype=torch.int32, device=device)
     q = torch.randn(batch, 1, H_Q, HEAD_DIM, generator=g, device=device).bfloat16()
+    return g, per_request, pool, table, count, q
+
+
+def bench_point(fmt, context, batch, reps, device, copy_gbps):
+    g, per_request, pool, table, count, q = _requests(fmt, context, batch, device)
     scale = HEAD_DIM ** -0.5
     quant_ms = _time_ms(lambda: ops.quant_attention(q, pool, table, count, fmt, scale),
                         device, reps)
@@ -121,13 +128,7 @@ SWEEP = dict(TOKENS_PER_STEP=(16, 32, 64, 128), MIN_GROUPS_PER_STEP=(1, 2), NUM_
 def sweep_point(fmt, context, batch, reps, device):
     """The Triton kernel's time under each launch setting of ``SWEEP`` (CUDA)."""
     from vllm_shadowkv.triton_kernels import quant_kernels
-    g = torch.Generator(device).manual_seed(context * 31 + batch)
-    per_request = context // fmt.group
-    pool = _pool(fmt, batch * per_request, device, g)
-    table = torch.randperm(batch * per_request, generator=g, device=device).int()
-    table = table.view(batch, per_request)
-    count = torch.full((batch,), per_request, dtype=torch.int32, device=device)
-    q = torch.randn(batch, 1, H_Q, HEAD_DIM, generator=g, device=device).bfloat16()
+    _, _, pool, table, count, q = _requests(fmt, context, batch, device)
     want = quant_kernels.quant_attention(q, pool, table, count, fmt, HEAD_DIM ** -0.5)[0]
     defaults = {name: getattr(quant_kernels, name) for name in SWEEP}
     timings, seen = [], {}
