@@ -262,8 +262,7 @@ def quant_attention(q, groups, group_table, group_count, fmt: KiviFormat, scale,
         and fmt.value_group == triton.next_power_of_2(fmt.value_group),
         BITS=fmt.bits, IEEE=q.dtype == torch.float32,
         DOT_16BIT=DOT_16BIT and q.is_cuda and q.dtype != torch.float32, GROUPS=n_groups,
-        BLOCK_R=block_r,
-        BLOCK_T=n_groups * group_tokens, BLOCK_D=block_d,
+        BLOCK_R=block_r, BLOCK_T=n_groups * group_tokens, BLOCK_D=block_d,
         LOGITS_ROW=-1 if logits_row is None else logits_row, num_warps=NUM_WARPS)
     out, lse = merge_stacked(part_out.movedim(2, 0), part_lse.movedim(2, 0))
     # [B, h_kv, group, s_q, ...] -> [B, s_q, h_q, ...]
