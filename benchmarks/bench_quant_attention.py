@@ -131,29 +131,31 @@ def sweep_point(fmt, context, batch, reps, device):
     _, _, pool, table, count, q = _requests(fmt, context, batch, device)
     want = quant_kernels.quant_attention(q, pool, table, count, fmt, HEAD_DIM ** -0.5)[0]
     defaults = {name: getattr(quant_kernels, name) for name in SWEEP}
-    timings, seen = [], {}
+    timed = {}  # launch -> its first setting's timing
     for values in itertools.product(*SWEEP.values()):
         setting = dict(zip(SWEEP, values))
         launch = _launch(setting, fmt)
-        if launch in seen:  # the same launch as a setting timed already
+        if launch in timed:  # the same launch as a setting timed already
             continue
         for name, value in setting.items():
             setattr(quant_kernels, name, value)
         run = lambda: quant_kernels.quant_attention(q, pool, table, count, fmt, HEAD_DIM ** -0.5)
         err = float((run()[0].float() - want.float()).norm() / want.float().norm())
-        seen[launch] = dict(setting, ms=_time_ms(run, device, reps), rel_diff=err)
-        timings.append(seen[launch])
+        timed[launch] = dict(setting, ms=_time_ms(run, device, reps), rel_diff=err)
     for name, value in defaults.items():
         setattr(quant_kernels, name, value)
-    default = seen[_launch(defaults, fmt)]
-    return dict(format=str(fmt), context=context, batch=batch, default_ms=default["ms"],
+    timings = list(timed.values())
+    return dict(format=str(fmt), context=context, batch=batch,
+                default_ms=timed[_launch(defaults, fmt)]["ms"],
                 best=min(timings, key=lambda t: t["ms"]), timings=timings)
 
 
 def _launch(setting, fmt):
-    """A setting's launch: its token groups per step (as quant_kernels.quant_attention takes
-    them) and the other settings."""
-    groups = max(setting["MIN_GROUPS_PER_STEP"], setting["TOKENS_PER_STEP"] // fmt.group)
+    """A setting's launch: the token groups per step it gives ``fmt``, and the other
+    settings."""
+    from vllm_shadowkv.triton_kernels.quant_kernels import groups_per_step
+    groups = groups_per_step(fmt.group, setting["TOKENS_PER_STEP"],
+                             setting["MIN_GROUPS_PER_STEP"])
     rest = tuple(setting[k] for k in SWEEP if k not in ("TOKENS_PER_STEP",
                                                           "MIN_GROUPS_PER_STEP"))
     return (groups, *rest)
@@ -246,12 +248,11 @@ def _sweep(points, args, device):
     settings = {tuple((k, t[k]) for k in SWEEP) for r in results for t in r["timings"]}
 
     def cost(setting):  # a point may have timed this setting's launch under another name
-        total = 0.0
+        setting, total = dict(setting), 0.0
         for r in results:
             fmt = next(f for f in FORMATS.values() if str(f) == r["format"])
-            launch = _launch(dict(setting), fmt)
             total += next(t["ms"] for t in r["timings"]
-                          if _launch(t, fmt) == launch) / r["best"]["ms"]
+                          if _launch(t, fmt) == _launch(setting, fmt)) / r["best"]["ms"]
         return total
     ranked = sorted(settings, key=cost)[:5]
     for setting in ranked:

@@ -215,6 +215,14 @@ def _quant_logits_kernel(
         tl.store(out, logits, mask=out_mask)
 
 
+def groups_per_step(group: int, tokens_per_step: int, min_groups: int) -> int:
+    """Token groups a loop step of the attention kernel takes: ``tokens_per_step`` worth, at
+    least ``min_groups``; one where the group is not a power of two (its tile is padded)."""
+    if group != max(_MIN_DOT, triton.next_power_of_2(group)):
+        return 1
+    return max(min_groups, tokens_per_step // group)
+
+
 def quant_attention(q, groups, group_table, group_count, fmt: KiviFormat, scale,
                     logits_row=None):
     batch, s_q, h_q, head_dim = q.shape
@@ -232,9 +240,8 @@ def quant_attention(q, groups, group_table, group_count, fmt: KiviFormat, scale,
     group = h_q // h_kv
     rows = group * s_q
     max_groups = group_table.shape[1]
-    group_tokens = max(_MIN_DOT, triton.next_power_of_2(tokens))
-    n_groups = max(MIN_GROUPS_PER_STEP, TOKENS_PER_STEP // group_tokens) \
-        if group_tokens == tokens else 1
+    group_tokens = max(_MIN_DOT, triton.next_power_of_2(tokens))  # one group's token rows
+    n_groups = groups_per_step(tokens, TOKENS_PER_STEP, MIN_GROUPS_PER_STEP)
     steps = triton.cdiv(max_groups, n_groups)
     n_splits = split_count(batch * h_kv, steps, q.device, PROGRAMS_PER_SM)  # >= 1 step each
     block_r = max(_MIN_DOT, min(_MAX_ROWS, triton.next_power_of_2(rows)))
