@@ -3,6 +3,7 @@
 GQA groups 1/4/8, head_dim 64/128, bf16/fp32, non-contiguous inputs, fresh random inputs each
 test."""
 
+import contextlib
 import subprocess
 import sys
 
@@ -266,21 +267,40 @@ def test_scatter_values(head_dim, dtype, slots, impl, staged, kernel_device):
                                                        (128, torch.float32, torch.bfloat16),
                                                        (1024, torch.bfloat16, torch.bfloat16)])
 @pytest.mark.parametrize("gathered", [False, True])
-def test_copy_rows(n, width, src_dtype, dst_dtype, gathered):
+@pytest.mark.parametrize("warming", [False, True])
+def test_copy_rows(n, width, src_dtype, dst_dtype, gathered, warming):
     """The compiled row scatter against index_copy_: rows in any order, a gather of the source
     rows or none, a dtype conversion; dst a view at an offset into a larger buffer (as a layer's
-    pages are), nothing outside the written rows touched."""
+    pages are), nothing outside the written rows touched. Small copies run eagerly, except in
+    the warm-up (``warming``), which compiles the graph whatever the size."""
     _kernels("cpu", torch.device("cpu"))
     buffer = torch.randn(3, 517 * width).to(dst_dtype)
     index = torch.randperm(517)[:n]
     src = torch.randn(n + 9 * gathered, width).to(src_dtype)
     src_index = torch.randperm(n + 9)[:n] if gathered else None
     got, want = buffer.clone(), buffer.clone()
-    cpu_kernels.copy_rows(got[1].view(517, width), index, src, src_index)
+    with cpu_kernels.warming() if warming else contextlib.nullcontext():
+        cpu_kernels.copy_rows(got[1].view(517, width), index, src, src_index)
     reconstruct.copy_rows(want[1].view(517, width), index, src, src_index)
     assert torch.equal(got, want)
     rows = src if src_index is None else src[src_index]
     assert torch.equal(want[1].view(517, width)[index], rows.to(dst_dtype))
+
+
+def test_copy_rows_runs_small_copies_eagerly_except_in_the_warm_up(monkeypatch):
+    """Below ``EAGER_COPY_ELEMENTS`` the compiled call's fixed cost is more than the copy:
+    eager; at or above it, and in the warm-up at any size of two rows or more, compiled."""
+    calls = []
+    monkeypatch.setattr(cpu_kernels, "_compiled_copy_rows", lambda *args: calls.append(args))
+    width = 64
+    small = cpu_kernels.EAGER_COPY_ELEMENTS // width - 1
+    dst, src = torch.zeros(4 * small, width), torch.randn(4 * small, width)
+    for n, warming, compiled in [(small, False, False), (small + 1, False, True),
+                                 (2, True, True), (1, True, False)]:
+        calls.clear()
+        with cpu_kernels.warming() if warming else contextlib.nullcontext():
+            cpu_kernels.copy_rows(dst, torch.arange(n), src[:n])
+        assert bool(calls) == compiled, (n, warming)
 
 
 @pytest.mark.parametrize("tokens,h_kv,head_dim,rotary_dim,neox",

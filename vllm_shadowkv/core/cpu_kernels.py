@@ -18,6 +18,7 @@ tests/core/test_kernels.py.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import shutil
@@ -347,10 +348,29 @@ def _write_slots(slots: torch.Tensor, dest: torch.Tensor, picked: torch.Tensor,
 _compiled_copy_rows = _compiled(reconstruct.copy_rows)
 
 
+# Below this many elements a scatter runs eagerly: the compiled call's fixed cost (about 45 us on
+# the 2-core Xeon, dynamo's frame and AOT wrappers) is more than eager index_copy_ takes there.
+EAGER_COPY_ELEMENTS = 1 << 16
+_warming = False
+
+
+@contextlib.contextmanager
+def warming():
+    """Every call runs its compiled graph, whatever its size: the start-up warm-up's small
+    requests compile the graphs that larger steps run later (not in the middle of serving)."""
+    global _warming
+    before, _warming = _warming, True
+    try:
+        yield
+    finally:
+        _warming = before
+
+
 def copy_rows(dst, index, src, src_index=None):
     # Fewer than two rows run eagerly: sizes 0 and 1 would each compile a graph mid-serving.
-    (_compiled_copy_rows if index.numel() > 1 else reconstruct.copy_rows)(dst, index, src,
-                                                                          src_index)
+    n = index.numel()
+    compiled = n > 1 and (_warming or n * math.prod(dst.shape[1:]) >= EAGER_COPY_ELEMENTS)
+    (_compiled_copy_rows if compiled else reconstruct.copy_rows)(dst, index, src, src_index)
 
 
 @_compiled
