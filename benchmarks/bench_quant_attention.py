@@ -251,8 +251,9 @@ def _sweep(points, args, device):
         setting, total = dict(setting), 0.0
         for r in results:
             fmt = next(f for f in FORMATS.values() if str(f) == r["format"])
+            launch = _launch(setting, fmt)
             total += next(t["ms"] for t in r["timings"]
-                          if _launch(t, fmt) == _launch(setting, fmt)) / r["best"]["ms"]
+                          if _launch(t, fmt) == launch) / r["best"]["ms"]
         return total
     ranked = sorted(settings, key=cost)[:5]
     for setting in ranked:
