@@ -27,7 +27,8 @@ setup(
     python_requires=">=3.10",
     packages=list(PACKAGES),
     package_dir=PACKAGES,
-    package_data={"vllm_shadowkv.eval": ["fixtures/**/*"]},
+    package_data={"vllm_shadowkv.eval": ["fixtures/**/*"],
+                  "vllm_shadowkv.core": ["csrc/*.c", "csrc/*.h"]},  # built on first use
     install_requires=["torch", "tqdm"],
     extras_require={
         # gguf and accelerate: transformers' GGUF loader, to convert the smollm2 model; ray: the

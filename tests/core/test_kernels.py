@@ -1,16 +1,17 @@
-"""Every Triton kernel (interpreted on the CPU, see conftest.py) and every compiled CPU kernel
-(core/cpu_kernels.py) against its torch reference: ragged lengths (including empty requests),
+"""Every Triton kernel (interpreted on the CPU, see conftest.py), every compiled CPU kernel
+(core/cpu_kernels.py) and every C kernel (core/native.py) against its torch reference: ragged lengths (including empty requests),
 GQA groups 1/4/8, head_dim 64/128, bf16/fp32, non-contiguous inputs, fresh random inputs each
 test."""
 
 import contextlib
+import os
 import subprocess
 import sys
 
 import pytest
 import torch
 
-from vllm_shadowkv.core import (attention, cpu_kernels, heavy_hitters, landmarks, ops,
+from vllm_shadowkv.core import (attention, cpu_kernels, heavy_hitters, landmarks, native, ops,
                                 reconstruct, select)
 from vllm_shadowkv.core import rope as rope_ops
 from vllm_shadowkv.core.rope import RopeCache
@@ -23,12 +24,16 @@ GRID = [(g, d, dt) for g in (1, 4, 8) for d in (64, 128) for dt in (torch.float3
 COUNTS = [37, 300, 0, 129]  # irregular, one request without landmarks
 
 
-KERNELS = {"triton": (select_kernels, rebuild_kernels), "cpu": (cpu_kernels, cpu_kernels)}
+# per implementation: the modules of the landmark scores, the key rebuild, the value scatter
+KERNELS = {"triton": (select_kernels, rebuild_kernels, rebuild_kernels),
+           "cpu": (native, native, cpu_kernels)}
+needs_native = pytest.mark.skipif(native.library() is None, reason="the C kernels need a compiler")
 
 
 def _kernels(impl, device):
-    if impl == "cpu" and (device.type != "cpu" or not cpu_kernels.available()):
-        pytest.skip("compiled CPU kernels: CPU tensors and a C++ compiler")
+    if impl == "cpu" and (device.type != "cpu" or not cpu_kernels.available()
+                          or native.library() is None):
+        pytest.skip("CPU kernels: CPU tensors and a C/C++ compiler")
     return KERNELS[impl]
 
 
@@ -57,77 +62,85 @@ def test_landmark_scores(group, head_dim, dtype, impl, kernel_device):
     scale = head_dim ** -0.5
     # The pool's rows shuffled among the landmark rows (pages in the engine).
     rows = torch.randperm(landmarks.shape[0], device=kernel_device)
-    scoring, _ = _kernels(impl, kernel_device)
+    scoring = _kernels(impl, kernel_device)[0]
     got = scoring.landmark_scores(q, landmarks, rows, starts, counts, max(COUNTS), scale)
     want = select.landmark_scores(q, landmarks, rows, starts, counts, max(COUNTS), scale)
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
 
 
-@pytest.mark.skipif(not cpu_kernels.available(), reason="inductor needs a C++ compiler")
-@pytest.mark.parametrize("group,head_dim,dtype", [(4, 64, torch.bfloat16), (1, 128, torch.float32)])
-def test_landmark_scores_read_the_pages_in_place(group, head_dim, dtype):
-    """The compiled kernel reads a request's landmark rows where they lie in its pages, as the
-    engine lays them out (each page: A rows, then ``per_page`` landmark rows), one view per run
-    of consecutive pages: requests in one run, in several (pages out of order), with a partly
-    filled last page (read whole and masked; a run of its own where the storage ends inside
-    it), one row, and rows in no page pattern (gathered)."""
-    h_kv, per_page, a_elems, s_q = 2, 3, 40, 2
-    row = h_kv * head_dim
+@needs_native
+@pytest.mark.parametrize("q_dtype,dtype", [(torch.bfloat16, torch.bfloat16),
+                                           (torch.float32, torch.float32),
+                                           (torch.float16, torch.float16),
+                                           (torch.float32, torch.bfloat16)])
+@pytest.mark.parametrize("group,head_dim,s_q", [(4, 128, 1), (8, 64, 2), (1, 96, 3), (3, 80, 1)])
+def test_landmark_scores_read_the_pages_in_place(q_dtype, dtype, group, head_dim, s_q):
+    """The C kernel reads the landmark rows where they lie in the pages, as the engine lays them
+    out (each page: A rows, then 16 landmark rows at one stride, the blocks AMX multiplies):
+    requests over whole pages, pages out of order, a partly filled last page, a single row,
+    and rows in no page pattern; the rows no request owns are NaN and must not be read."""
+    h_kv, per_page, a_elems = 2, 16, 40
+    row = h_kv * head_dim + 8  # a landmark row's heads, then padding
     page = a_elems + per_page * row
-    flat = torch.randn(64 * page, dtype=torch.float32).to(dtype)
+    flat = torch.full((64 * page,), float("nan")).to(dtype)
     landmarks = torch.as_strided(flat, (flat.numel() - row + 1, h_kv, head_dim), (1, head_dim, 1))
 
     def rows_in(pages, count):
-        ids = torch.tensor(pages)
+        ids = torch.tensor(pages, dtype=torch.long)
         lm = torch.arange(count)
         return ids[lm // per_page] * page + a_elems + lm % per_page * row
 
-    requests = [rows_in([4, 5, 6, 7], 12), rows_in([10, 11, 20, 21, 22, 3], 17),
-                rows_in([30], 1), rows_in([40, 41, 42], 8), torch.randperm(60)[:9] * page,
-                rows_in([50, 49, 48], 9)]
+    requests = [rows_in([4, 5, 6, 7], 64), rows_in([10, 11, 20, 21, 22, 3], 90),
+                rows_in([30], 1), rows_in([40, 41, 42], 40), torch.randperm(60)[:19] * page,
+                rows_in([50, 49, 48], 37), rows_in([], 0)]
     lm_rows = torch.cat(requests)
+    for r in lm_rows.tolist():
+        flat[r: r + h_kv * head_dim] = torch.randn(h_kv * head_dim).to(dtype)
     counts = torch.tensor([len(r) for r in requests], dtype=torch.int32)
     starts = torch.cumsum(counts, 0, dtype=torch.int32) - counts
-    kinds = [[(tuple(v.shape[:2]), n) for v, n in cpu_kernels._landmark_pages(landmarks, r)]
-             for r in requests]
-    assert kinds == [[((4, 3), 12)], [((2, 3), 6), ((3, 3), 9), ((1, 3), 2)], [((1, 1), 1)],
-                     [((3, 3), 8)], [((4, 2), 8), ((1, 1), 1)],
-                     [((1, 3), 3), ((1, 3), 3), ((1, 3), 3)]]
-    short = flat[: 63 * page + a_elems + 2 * row].clone()  # ends two rows into page 63
-    short_view = torch.as_strided(short, (short.numel() - row + 1, h_kv, head_dim),
-                                  (1, head_dim, 1))
-    assert [(tuple(v.shape[:2]), n) for v, n in cpu_kernels._landmark_pages(
-        short_view, rows_in([62, 63], 5))] == [((1, 3), 3), ((1, 2), 2)]
-    unused = 42 * page + a_elems + 2 * row  # the row after the fourth request's last
-    flat[unused: unused + row] = float("nan")  # read with its page, masked out of the scores
-    q = torch.randn(len(requests), s_q, h_kv * group, head_dim).to(dtype)
-    scale = head_dim ** -0.5
-    got = cpu_kernels.landmark_scores(q, landmarks, lm_rows, starts, counts, 17, scale)
-    want = select.landmark_scores(q, landmarks, lm_rows, starts, counts, 17, scale)
-    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
-
-
-_LENGTHS_SCRIPT = """
-import torch
-from vllm_shadowkv.core import cpu_kernels, select
-landmarks = torch.randn(600 * 24, 2, 64).bfloat16()  # pages of 16 landmark rows, 24 apart
-q = torch.randn(1, 1, 8, 64).bfloat16()
-for pages in ([0, 1], [0, 1, 2, 3], [0, 1, 4, 5], list(range(260)), list(range(130)) +
-              list(range(140, 270))):  # the warm-up's short requests, then 4,160 landmarks
-    rows = torch.cat([torch.arange(16) + 24 * p for p in pages])
-    args = q, landmarks, rows, torch.tensor([0]), torch.tensor([len(rows)]), len(rows), 0.125
-    with torch._dynamo.config.patch(error_on_recompile=len(pages) > 4):
-        got = cpu_kernels.landmark_scores(*args)
+    q = torch.randn(len(requests), s_q, h_kv * group, head_dim).to(q_dtype)
+    args = q, landmarks, lm_rows, starts, counts, int(counts.max()), head_dim ** -0.5
+    assert native.supports(q, landmarks)
+    got = native.landmark_scores(*args)
     torch.testing.assert_close(got, select.landmark_scores(*args), atol=1e-6, rtol=1e-5)
+
+
+def test_native_library_is_optional(monkeypatch, caplog):
+    """Without a C compiler (or with SHADOWKV_NATIVE=0) there is no library, a warning says why,
+    and the scores come from the torch reference."""
+    landmarks, _, _ = _ragged_pool([5], 1, 64, torch.float32, "cpu")
+    q = torch.randn(1, 1, 4, 64)
+    try:
+        with monkeypatch.context() as patch:
+            patch.setattr(native.shutil, "which", lambda _: None)
+            native.library.cache_clear()
+            assert native.library() is None and "no C compiler" in caplog.text
+            assert not native.supports(q, landmarks)
+        with monkeypatch.context() as patch:
+            patch.setenv("SHADOWKV_NATIVE", "0")
+            native.library.cache_clear()
+            assert native.library() is None and not native.supports(q, landmarks)
+    finally:
+        native.library.cache_clear()
+
+
+_BUILD_SCRIPT = """
+import os, sys
+from vllm_shadowkv.core import native
+lib = native.library()
+assert lib is not None
+print(sorted(os.listdir(native._cache_dir())))
 """
 
 
-@pytest.mark.skipif(not cpu_kernels.available(), reason="inductor needs a C++ compiler")
-def test_landmark_scores_of_a_long_request_compile_nothing_new():
-    """In a fresh process, a request of more than 4,096 landmarks (one run of pages, then two)
-    after short ones (a server's warm-up) runs the graphs already compiled: inductor's float
-    sums guarded their length at 4,096, so the softmax's sums are a GEMM."""
-    subprocess.run([sys.executable, "-c", _LENGTHS_SCRIPT], check=True, timeout=600)
+@needs_native
+def test_native_library_is_built_once_per_cache(tmp_path):
+    """The first process builds the library into the cache; the next loads the same file."""
+    env = dict(os.environ, SHADOWKV_CACHE_DIR=str(tmp_path))
+    runs = [subprocess.run([sys.executable, "-c", _BUILD_SCRIPT], env=env, check=True,
+                           capture_output=True, text=True, timeout=300).stdout for _ in range(2)]
+    assert runs[0] == runs[1] and ".so" in runs[0]
+    assert list((tmp_path / "native").glob("*.so"))
 
 
 def _check_selection(got, scores, counts, k):
@@ -178,7 +191,7 @@ def _miss_setup(batch, h_kv, k, n_chunks, device):
 ROPES = {"neox": dict(neox=True), "gptj": dict(neox=False), "partial": dict(rotary_frac=0.5)}
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 72, 128])  # (72: not whole AMX tiles)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rope_kind", list(ROPES))
 @pytest.mark.parametrize("layout", ["column-major", "row-major"])
@@ -211,10 +224,6 @@ def test_rebuild_keys(head_dim, dtype, rope_kind, layout, impl, kernel_device):
     _kernels(impl, kernel_device)[1].rebuild_keys(*args, got)
     reconstruct.rebuild_keys(*args, want)
     tol = _tol(dtype)
-    if impl == "cpu" and dtype == torch.bfloat16 and cpu_kernels.native_bf16_gemm():
-        # The native bf16 GEMM rounds A.B to bf16 before RoPE mixes two of its channels: a
-        # second rounding, up to one bf16 ulp at the keys' scale (the reference rounds once).
-        tol["atol"] = float(want.abs().amax()) * 2 ** -7
     torch.testing.assert_close(got, want, **tol)
     written = torch.zeros(batch, h_kv, k + 1, dtype=torch.bool, device=kernel_device)
     written.scatter_(-1, torch.where(miss_slots >= 0, miss_slots, k).long(), True)
@@ -229,7 +238,7 @@ def test_rebuild_keys(head_dim, dtype, rope_kind, layout, impl, kernel_device):
     pages = torch.randn(n_rows, head_dim).to(dtype)
     pages[slot_index] = base.unflatten(2, (k, c))
     got_pages, want_pages = pages.clone(), pages.clone()
-    cpu_kernels.rebuild_keys(*args, got_pages, slot_index)
+    native.rebuild_keys(*args, got_pages, slot_index)
     reconstruct.rebuild_keys(*args, want_pages, slot_index)
     torch.testing.assert_close(got_pages, want_pages, **tol)
     torch.testing.assert_close(got_pages[slot_index], got.unflatten(2, (k, c)), **tol)
@@ -256,7 +265,7 @@ def test_scatter_values(head_dim, dtype, slots, impl, staged, kernel_device):
     if slots == "strided":
         base = base.transpose(0, 1).contiguous().transpose(0, 1)
     got, want = base.clone(), base.clone()
-    _kernels(impl, kernel_device)[1].scatter_values(staging, staging_start, miss_slots,
+    _kernels(impl, kernel_device)[2].scatter_values(staging, staging_start, miss_slots,
                                                     miss_count, got)
     reconstruct.scatter_values(staging, staging_start, miss_slots, miss_count, want)
     assert torch.equal(got, want)
@@ -337,19 +346,20 @@ def test_chunk_geometry(chunks, chunk_size, h_kv, head_dim, dtype):
 
 def test_dispatch_routes_to_kernels(monkeypatch, interpreted):
     calls = []
-    for name, module in (("triton", select_kernels), ("cpu", cpu_kernels), ("torch", select)):
+    for name, module in (("triton", select_kernels), ("cpu", native), ("torch", select)):
         real = module.landmark_scores
         monkeypatch.setattr(module, "landmark_scores",
                             lambda *a, name=name, real=real: calls.append(name) or real(*a))
     q = torch.randn(1, 1, 4, 64)
     landmarks, starts, counts = _ragged_pool([5], 1, 64, torch.float32, "cpu")
     args = (q, landmarks, torch.arange(landmarks.shape[0]), starts, counts, 5, 0.125)
-    ops.landmark_scores(*args)  # CPU tensors: the compiled kernels (with a compiler)
+    ops.landmark_scores(*args)  # CPU tensors: the C kernel (with a compiler)
     with ops.force_triton():
         ops.landmark_scores(*args)
     with ops.kernel_mode("torch"):
         ops.landmark_scores(*args)
-    assert calls == ["cpu" if cpu_kernels.available() else "torch", "triton", "torch"]
+    native_ok = cpu_kernels.available() and native.library() is not None
+    assert calls == ["cpu" if native_ok else "torch", "triton", "torch"]
 
 
 @pytest.mark.parametrize("start, n", [(0, 97), (130, 70), (90, 1)])

@@ -1,19 +1,16 @@
 """CPU kernels of the compute-heavy stages of decode (and of MiniKV's prefill scores), compiled
 by torch.compile (inductor's C++ backend), with the signatures of their torch references in
-select.py, reconstruct.py, quant_attention.py (attention over KIVI groups: each bounded block
+reconstruct.py, quant_attention.py (attention over KIVI groups: each bounded block
 dequantized in one fused pass, QK^T and PV as GEMMs), mixed_attention.py (one row's logits over
 KIVI keys, SpeCache's top-k), critical_channels.py (TailorKV's partial scores),
 heavy_hitters.py (a tile of MiniKV's column sums), and rope.py and landmarks.py (the RoPE
 inversion and chunk geometry of ShadowKV's prompt end).
 
-Eager torch spends these stages copying: the landmarks converted to fp32 and permuted before
-a matmul with four columns, the missed A rows gathered by advanced indexing, RoPE as a dozen
-elementwise passes. Here the scoring reads each request's landmark rows in place, as strided
-views of its runs of pages (a gather of 16K rows at 128K cost as much as the scoring itself;
-an index gather inside the compiled loop ran 2x to 5x slower), the missed A rows are gathered
-by ``index_select`` and the rest is compiled: the scoring one fused pass per run of pages, the
-rebuild matmul + RoPE (measured in benchmarks/RESULTS.md). Tested against the references in
-tests/core/test_kernels.py.
+Eager torch spends these stages copying: the missed A rows gathered by advanced indexing, RoPE
+as a dozen elementwise passes. Here the missed A rows are gathered by ``index_select`` and the
+rest is compiled: the rebuild matmul + RoPE (measured in benchmarks/RESULTS.md). ShadowKV's
+landmark scoring is a C kernel (native.py): compiled, it cost a graph call per request and ran
+at 12 GFLOP/s. Tested against the references in tests/core/test_kernels.py.
 """
 
 from __future__ import annotations
@@ -99,141 +96,20 @@ def invert_rope(x, positions, rope):
 chunk_geometry = _compiled(landmarks.chunk_geometry)
 
 
-def _page_logits(q: torch.Tensor, pages: torch.Tensor, count: int, scale: float) -> torch.Tensor:
-    """q [s_q, h_q, d]; pages [m, p, h_kv, d]: landmark rows in place (any strides), the first
-    ``count`` valid -> logits [s_q, h_kv, g, count] fp32 (landmarks last: the softmax's rows).
-    Compiled (``_compiled_page_logits``): one pass, the products and the reduction over d fused
-    (reading the pages in place: a gather first cost as much as this)."""
-    s_q, h_q, head_dim = q.shape
-    h_kv = pages.shape[2]
-    qg = q.float().reshape(s_q, h_kv, h_q // h_kv, head_dim)
-    rows = pages.float()
-    # One reduction over d per query row, stacked (the row stays in cache between them): the
-    # products of all a group's rows at once ([..., g, d] then a sum) ran at 0.74x of this.
-    logits = torch.stack([torch.stack([(rows * qg[s, :, j]).sum(-1) for j in range(qg.shape[2])])
-                          for s in range(s_q)])  # [s_q, g, m, p, h_kv]
-    return (logits.flatten(2, 3)[:, :, :count] * scale).permute(0, 3, 1, 2).contiguous()
-
-
 def _last_dim_sums(x: torch.Tensor) -> torch.Tensor:
     """x summed over its last dimension (kept, size 1) as a GEMM with a column of ones, inside a
     compiled graph: inductor's float sum guards its length on the side of 4,096 its first trace
     saw (its accumulation helper for longer sums), so after the warm-up's short requests the
-    first longer one compiled again mid-serving (a quantized block over 4,096 tokens, a request
-    of over 4,096 landmarks)."""
+    first longer one compiled again mid-serving (a quantized block over 4,096 tokens)."""
     return torch.matmul(x, x.new_ones(x.shape[-1], 1))
-
-
-def _chunk_scores(logits: torch.Tensor) -> torch.Tensor:
-    """[s_q, h_kv, g, n] -> [h_kv, n]: softmax over the landmarks, sum over the query tokens,
-    max over the group's query heads (see select.landmark_scores); the softmax's sums by
-    ``_last_dim_sums``."""
-    exp = torch.exp(logits - logits.amax(dim=-1, keepdim=True))
-    return (exp / _last_dim_sums(exp)).sum(dim=0).amax(dim=1)
-
-
-def _page_scores(q: torch.Tensor, pages: torch.Tensor, count: torch.Tensor,
-                 scale: float) -> torch.Tensor:
-    """A request whose landmarks are one run of pages (the common case): scores [h_kv, m * p]
-    (valid up to ``count``, a 0-d tensor) in one compiled pass. Logits and softmax compiled apart
-    cost 1.45 ms per request at 16K against 1.05 here; with every size symbolic (``_compiled``)
-    1.7: only the page count varies here, so the loops over p, h_kv and d stay constant."""
-    logits = _page_logits(q, pages, pages.shape[0] * pages.shape[1], scale)
-    valid = torch.arange(logits.shape[-1], device=logits.device) < count
-    return _chunk_scores(logits.masked_fill(~valid, float("-inf")))
-
-
-_compiled_page_scores = _one_graph(torch.compile(_page_scores, dynamic=None, fullgraph=True),
-                                   ((), (0,)))
-# Called only with two pages or more (a single page, a handful of rows, runs eagerly): sizes
-# 0 and 1 would each compile a graph of their own, in the middle of serving.
-_compiled_page_logits = _compiled(_page_logits)
-_compiled_chunk_scores = _compiled(_chunk_scores)
-
-
-MAX_RUNS = 16  # more runs of pages than this: one gather, then one pass
-
-
-def _landmark_pages(landmarks: torch.Tensor, rows: torch.Tensor):
-    """One request's landmark rows as ``[(pages [m, p, h_kv, d], valid rows in them)]``: views
-    in place, one per run of pages that lie at one stride (vLLM hands a request's blocks out
-    mostly in order, so a request is one or a few runs), each page holding ``p`` rows at one
-    stride. A partly filled last page joins its run whole (its rows past the valid count are
-    masked, not read into the scores), so the common request is one run and one compiled call;
-    where the storage ends before that page does, it is a run of its own. Rows in no such
-    pattern are gathered (``_gathered``)."""
-    n = rows.numel()
-    if n < 2:
-        return _gathered(landmarks, rows)
-    steps = rows[1:] - rows[:-1]
-    page_starts = (steps != steps[0]).nonzero().flatten() + 1  # rows that open a page
-    per_page = int(page_starts[0]) if page_starts.numel() else n
-    full, tail = divmod(n, per_page)
-    num_pages = full + (tail > 0)
-    if (page_starts.numel() != num_pages - 1 or bool((page_starts % per_page).any())
-            or int(steps[0]) <= 0):
-        return _gathered(landmarks, rows)  # pages of unequal row counts, rows not ascending
-    firsts = rows[::per_page]
-    jumps = firsts[1:] - firsts[:-1]
-    ascending = jumps[jumps > 0]  # (views take no negative strides)
-    stride = int(torch.mode(ascending).values) if ascending.numel() else 0
-    breaks = ((jumps != stride).nonzero().flatten() + 1).tolist()
-    if len(breaks) >= MAX_RUNS:
-        return _gathered(landmarks, rows)
-    row_stride, (s_n, s_h, s_d) = int(steps[0]), landmarks.stride()
-    firsts = firsts.tolist()
-
-    def view(first_page: int, pages: int, per: int):
-        return torch.as_strided(landmarks, (pages, per, *landmarks.shape[1:]),
-                                (stride * s_n, row_stride * s_n, s_h, s_d),
-                                landmarks.storage_offset() + firsts[first_page] * s_n)
-
-    last_row = (firsts[-1] + (per_page - 1) * row_stride) * s_n + landmarks.storage_offset()
-    end = last_row + (landmarks.shape[1] - 1) * s_h + (landmarks.shape[2] - 1) * s_d
-    fits = end < landmarks.untyped_storage().nbytes() // landmarks.element_size()
-    joined = num_pages if fits else full  # pages in the runs; a last page apart if not
-    views = [(view(a, b - a, per_page), min(b * per_page, n) - a * per_page)
-             for a, b in zip([0, *breaks], [*breaks, joined]) if b > a]
-    if joined < num_pages:
-        views.append((view(full, 1, tail), tail))
-    return views
-
-
-def _gathered(landmarks: torch.Tensor, rows: torch.Tensor):
-    """The rows copied out, as pages of two rows (the shape of the runs' graph) and a last row."""
-    n = rows.numel()
-    picked = torch.index_select(landmarks, 0, rows)
-    pairs = [(picked[: n - n % 2].unflatten(0, (-1, 2)), n - n % 2)] if n >= 2 else []
-    return pairs + ([(picked[n - 1:].unsqueeze(1), 1)] if n % 2 else [])
-
-
-def landmark_scores(q, landmarks, lm_rows, lm_start, lm_count, max_count, scale):
-    batch = q.shape[0]
-    out = q.new_full((batch, landmarks.shape[1], max_count), -1.0, dtype=torch.float32)
-    for i, (start, count) in enumerate(zip(lm_start.tolist(), lm_count.tolist())):
-        if count:
-            # fp32 and storage offset 0 (an offset of 0 or 1 is a graph of its own): converted
-            # inside, q cost the loop a conversion per (row, query head), 1.4x the time.
-            qi = q[i].to(torch.float32, copy=True)
-            runs = _landmark_pages(landmarks, lm_rows[start:start + count])
-            if len(runs) == 1 and len(runs[0][0]) > 1:
-                pages, n = runs[0]
-                out[i, :, :count] = _compiled_page_scores(qi, pages, torch.tensor(n),
-                                                          scale)[:, :n]
-                continue
-            logits = [(_compiled_page_logits if len(pages) > 1 else _page_logits)(
-                qi, pages, n, scale) for pages, n in runs]
-            out[i, :, :count] = _compiled_chunk_scores(logits[0] if len(logits) == 1 else
-                                                       torch.cat(logits, dim=-1))
-    return out
 
 
 @functools.cache
 def native_bf16_gemm() -> bool:
     """Whether bf16 operands multiply as they are (oneDNN's bf16 GEMM, fp32 accumulation) rather
-    than converted to fp32 first: the rebuild's rows and B, and the quantized blocks' P and V
-    (``_quant_block``). Whichever this CPU runs faster, timed once per process on the
-    rebuild's shape. The flag alone does not decide it: with
+    than converted to fp32 first: the quantized blocks' P and V (``_quant_block``). Whichever
+    this CPU runs faster, timed once per process (on the shape of ShadowKV's key rebuild, where
+    it was first used). The flag alone does not decide it: with
     AVX512-BF16, the bf16 GEMM ran 2.8x the fp32 rate on an EPYC and 0.54x on a Xeon (both in
     benchmarks/RESULTS.md); without it oneDNN emulates bf16, slower than fp32."""
     supported = getattr(torch.cpu, "_is_avx512_bf16_supported", None)  # private: may go
@@ -254,48 +130,6 @@ def native_bf16_gemm() -> bool:
     return bf16 < fastest(lambda: torch.matmul(rows.float(), b.float()))
 
 
-@_compiled
-def _keys(rows: torch.Tensor, b: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
-          rotary_dim: int, neox: bool, native_bf16: bool, out_dtype: torch.dtype
-          ) -> torch.Tensor:
-    """A rows [B, h, n, r] times B [B, h, r, d], RoPE at ``positions`` [B, h, n] -> [B, h, n, d]
-    in ``out_dtype`` (the slots'; RoPE in fp32). bf16 rows and B multiply as they are where the
-    CPU has bf16 GEMMs (the Triton kernel's bf16 dot with fp32 accumulation; the product is
-    rounded to bf16 once before RoPE), else in fp32. (Gathering the rows inside the compiled
-    loop was 2x slower than index_select.)"""
-    if native_bf16 and rows.dtype == b.dtype == torch.bfloat16:
-        keys = torch.matmul(rows, b).float()
-    else:
-        keys = torch.matmul(rows.float(), b.float())
-    flat = keys.view(-1, 1, keys.shape[-1])
-    rope = RopeCache(cos_sin, rotary_dim, neox)
-    return apply_rope(flat, positions.reshape(-1), rope, out_dtype).view(keys.shape)
-
-
-def rebuild_keys(a, a_rows, a_positions, a_start, b, slot_chunks, miss_slots, miss_count, rope,
-                 slot_k, slot_index=None):
-    batch, h_kv, k = slot_chunks.shape
-    c = slot_index.shape[-1] if slot_index is not None else slot_k.shape[2] // k
-    width = int(miss_count.max()) if miss_count.numel() else 0
-    if width == 0:
-        return
-    valid = torch.arange(width) < miss_count.unsqueeze(-1)  # [B, h, w]
-    slots = miss_slots[..., :width].long().clamp_min(0)
-    chunks = slot_chunks.long().gather(-1, slots).clamp_min(0)
-    offsets = torch.arange(c)
-    rows = a_start.long().view(-1, 1, 1, 1) + chunks.unsqueeze(-1) * c + offsets  # [B,h,w,c]
-    rows = torch.where(valid.unsqueeze(-1), rows, 0).flatten(2)  # [B, h, w*c]
-    flat = rows.flatten()  # (index_select: 4x faster than indexing by a 3-D index)
-    a_picked = torch.index_select(a, 0, a_rows.index_select(0, flat)).view(*rows.shape, a.shape[1])
-    positions = a_positions.index_select(0, flat).view(rows.shape)
-    keys = _keys(a_picked, b, positions, rope.cos_sin_cache, rope.rotary_dim,
-                 rope.is_neox_style, native_bf16_gemm(), slot_k.dtype)
-    # Slots of their own: whole chunks of c rows (8x fewer, longer copies than row by row).
-    picked = valid.flatten().nonzero().squeeze(1)  # (a boolean index of keys cost 1.3x)
-    _write_slots(slot_k if slot_index is not None else slot_k.unflatten(2, (k, c)), slots,
-                 picked, keys.reshape(-1, c, keys.shape[-1]), picked, slot_index)
-
-
 def scatter_values(staging, staging_start, miss_slots, miss_count, slot_v):
     """Same contract as reconstruct.scatter_values, each miss's c x d rows written by
     ``_write_slots``."""
@@ -313,31 +147,19 @@ def scatter_values(staging, staging_start, miss_slots, miss_count, slot_v):
 
 
 def _write_slots(slots: torch.Tensor, dest: torch.Tensor, picked: torch.Tensor,
-                 src: torch.Tensor, src_index: torch.Tensor | None,
-                 slot_index: torch.Tensor | None = None) -> None:
+                 src: torch.Tensor, src_index: torch.Tensor | None) -> None:
     """Rows of ``src`` [M, ...] (``src_index`` [n] of them, else the first n) into ``slots``
     [B, h, S, ...]: row i at position ``dest[b, h, w]`` of the entry ``picked[i]`` (flat index
-    into ``dest`` [B, h, W]); with ``slot_index`` [B, h, S, c], ``slots`` is [N, d] (the pages'
-    rows), src [M, c, d], and token t of position s of (b, h) is row ``slot_index[b, h, s, t]``.
-    Contiguous slots (the engine's) take one ``copy_rows`` into their flat rows: advanced
-    indexing on both sides cost 2.5x."""
-    if slot_index is None and not slots.is_contiguous():
+    into ``dest`` [B, h, W]). Contiguous slots take one ``copy_rows`` into their flat rows:
+    advanced indexing on both sides cost 2.5x."""
+    if not slots.is_contiguous():
         rows = src if src_index is None else src.index_select(0, src_index)
         bi, hi, wi = torch.unravel_index(picked, dest.shape)
         slots[bi, hi, dest[bi, hi, wi]] = rows.to(slots.dtype)
         return
-    if slot_index is None:  # the slots' own flat rows, by arithmetic
-        batch, h_kv, width = slots.shape[:3]
-        slots = slots.view(batch * h_kv * width, *slots.shape[3:])
-        rows = dest + torch.arange(batch * h_kv, device=dest.device).view(batch, h_kv, 1) * width
-    else:  # token rows of the pages (entries not picked may be -1)
-        c = slot_index.shape[-1]
-        rows = slot_index.gather(2, dest.clamp_min(0).unsqueeze(-1).expand(-1, -1, -1, c))
-        tokens = torch.arange(c, device=picked.device)
-        src_rows = (picked if src_index is None else src_index).unsqueeze(1) * c + tokens
-        copy_rows(slots, rows.view(-1, c).index_select(0, picked).flatten(),
-                  src.reshape(-1, slots.shape[-1]), src_rows.flatten())
-        return
+    batch, h_kv, width = slots.shape[:3]
+    slots = slots.view(batch * h_kv * width, *slots.shape[3:])
+    rows = dest + torch.arange(batch * h_kv, device=dest.device).view(batch, h_kv, 1) * width
     copy_rows(slots.view(len(slots), -1), rows.flatten().index_select(0, picked),
               src.reshape(src.shape[0], -1), src_index)
 

@@ -1,7 +1,8 @@
 """The one dispatch point between the torch references and the kernels.
 
 Mode "auto": CUDA tensors go to the Triton kernels, CPU tensors to the compiled CPU kernels
-(core/cpu_kernels.py; the references where no C++ compiler is installed). "triton" sends every
+(core/cpu_kernels.py) and the C kernels (core/native.py; both: the references where no C++
+compiler is installed). "triton" sends every
 tensor to the Triton kernels (CPU tensors work only under TRITON_INTERPRET=1: how the kernel
 path is tested inside the CPU engine); "torch" sends every tensor to the references.
 """
@@ -13,7 +14,7 @@ import torch
 
 from . import quant_attention as quant_path
 from . import (attention, cpu_kernels, critical_channels, heavy_hitters, landmarks,
-               mixed_attention, reconstruct, select)
+               mixed_attention, native, reconstruct, select)
 from . import rope as rope_ops
 
 _HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -78,7 +79,7 @@ def chunk_geometry(keys, chunk_size):
 
 def landmark_scores(q, landmarks, lm_rows, lm_start, lm_count, max_count, scale):
     impl = (_kernels("select_kernels") if _use_triton(q)
-            else cpu_kernels if compiled_cpu(q) else select)
+            else native if compiled_cpu(q) and native.supports(q, landmarks) else select)
     return impl.landmark_scores(q, landmarks, lm_rows, lm_start, lm_count, max_count, scale)
 
 
@@ -103,15 +104,13 @@ def channel_scores_paged(q, pool, page_offset, page_start, channels, prompt_len,
 
 def rebuild_keys(a, a_rows, a_positions, a_start, b, slot_chunks, miss_slots, miss_count, rope,
                  slot_k, slot_index=None):
-    if slot_index is not None:  # slots where they lie in the pages: the CPU step's only
-        impl = cpu_kernels if compiled_cpu(slot_k) else reconstruct
-        impl.rebuild_keys(a, a_rows, a_positions, a_start, b, slot_chunks, miss_slots,
-                          miss_count, rope, slot_k, slot_index)
-        return
-    impl = (_kernels("rebuild_kernels") if _use_triton(slot_k)
-            else cpu_kernels if compiled_cpu(slot_k) else reconstruct)
-    impl.rebuild_keys(a, a_rows, a_positions, a_start, b, slot_chunks, miss_slots, miss_count,
-                      rope, slot_k)
+    args = (a, a_rows, a_positions, a_start, b, slot_chunks, miss_slots, miss_count, rope, slot_k)
+    if compiled_cpu(slot_k) and native.supports_rebuild(a, b, rope, slot_k):
+        native.rebuild_keys(*args, slot_index)
+    elif slot_index is not None:  # slots where they lie in the pages: the CPU step's only
+        reconstruct.rebuild_keys(*args, slot_index)
+    else:
+        (_kernels("rebuild_kernels") if _use_triton(slot_k) else reconstruct).rebuild_keys(*args)
 
 
 def scatter_values(staging, staging_start, miss_slots, miss_count, slot_v):

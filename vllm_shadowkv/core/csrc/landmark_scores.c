@@ -1,0 +1,219 @@
+/* ShadowKV's chunk scores for a ragged batch, one call per layer and step (native.py; the
+ * torch reference is select.landmark_scores).
+ *
+ * For request b and KV head h, each of the step's s_q x g query rows (the group's query heads)
+ * takes a softmax over the request's landmarks; the scores are those probabilities summed over
+ * the query tokens and maxed over the group. Landmark rows are read in place through their row
+ * ids (the engine's pages). bf16 rows and queries multiply as they are (exact products, fp32
+ * sums, as the reference's fp32 matmul of bf16 values): 16 rows at one stride (a page's) by
+ * AMX, the other rows by AVX512-BF16 dot products; other dtypes, or CPUs without these, are
+ * converted to fp32. Built with -O3 -ffast-math: the loops vectorise, the softmax's exp through
+ * glibc's libmvec. */
+#include <math.h>
+#include <stdlib.h>
+
+#include "cpu.h"
+
+#define MAX_HEAD_DIM 512
+#define MAX_QUERY_ROWS 1024 /* h_q x s_q */
+
+/* Where a request's dots go: logits[(h * nq + t) * n + i] = row i . query row t, of head h. */
+struct rows {
+    const char *base;
+    const int64_t *ids;
+    int64_t row_bytes, head_bytes;
+    int n, h_kv, d;
+};
+
+static void f32_dots(const struct rows *r, int dtype, const void *const *queries, int q_dtype,
+                     int nq, float *logits) {
+    float *qf = malloc(sizeof(float) * r->h_kv * nq * r->d), row[MAX_HEAD_DIM];
+    for (int t = 0; t < r->h_kv * nq; t++) to_f32(queries[t], q_dtype, r->d, qf + t * r->d);
+    for (int i = 0; i < r->n; i++)
+        for (int h = 0; h < r->h_kv; h++) {
+            to_f32(r->base + r->ids[i] * r->row_bytes + h * r->head_bytes, dtype, r->d, row);
+            for (int t = 0; t < nq; t++) {
+                const float *qt = qf + (h * nq + t) * r->d;
+                float acc = 0.f;
+                for (int k = 0; k < r->d; k++) acc += row[k] * qt[k];
+                logits[((int64_t)h * nq + t) * r->n + i] = acc;
+            }
+        }
+    free(qf);
+}
+
+#if defined(__AVX512BF16__)
+/* The four vectors' sums, one per lane: transposing adds (a horizontal sum each would cost
+ * twice the instructions). */
+static inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
+    __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+    __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+    __m512 x = _mm512_add_ps(_mm512_shuffle_ps(ab, cd, 0x44), _mm512_shuffle_ps(ab, cd, 0xEE));
+    x = _mm512_add_ps(x, _mm512_shuffle_f32x4(x, x, 0x4E));
+    x = _mm512_add_ps(x, _mm512_shuffle_f32x4(x, x, 0xB1));
+    return _mm512_castps512_ps128(x);
+}
+
+static inline __m512bh load_bf16(const uint16_t *src, int v, int nv, __mmask32 tail) {
+    return (__m512bh)_mm512_maskz_loadu_epi16(v == nv - 1 ? tail : ~0u, src + 32 * v);
+}
+
+/* Rows [i0, i1), each over all its heads, by AVX512-BF16; nv = d / 32 rounded up, a constant
+ * where inlined from bf16_dots (the row then stays in registers). */
+static inline __attribute__((always_inline)) void bf16_dots_nv(
+    const struct rows *r, const void *const *queries, int nq, float *logits, int i0, int i1,
+    const int nv) {
+    const __mmask32 tail = r->d % 32 ? (1u << r->d % 32) - 1 : ~0u;
+    for (int i = i0; i < i1; i++)
+        for (int h = 0; h < r->h_kv; h++) {
+            const uint16_t *row = (const uint16_t *)(r->base + r->ids[i] * r->row_bytes +
+                                                     h * r->head_bytes);
+            __m512bh rv[MAX_HEAD_DIM / 32];
+            for (int v = 0; v < nv; v++) rv[v] = load_bf16(row, v, nv, tail);
+            const void *const *qh = queries + h * nq;
+            float *dots = logits + (int64_t)h * nq * r->n + i;  /* query row t at t * n */
+            int t = 0;
+            for (; t + 4 <= nq; t += 4) {
+                __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+                for (int v = 0; v < nv; v++) {
+                    a0 = _mm512_dpbf16_ps(a0, rv[v], load_bf16(qh[t], v, nv, tail));
+                    a1 = _mm512_dpbf16_ps(a1, rv[v], load_bf16(qh[t + 1], v, nv, tail));
+                    a2 = _mm512_dpbf16_ps(a2, rv[v], load_bf16(qh[t + 2], v, nv, tail));
+                    a3 = _mm512_dpbf16_ps(a3, rv[v], load_bf16(qh[t + 3], v, nv, tail));
+                }
+                float four[4];
+                _mm_storeu_ps(four, sum4(a0, a1, a2, a3));
+                for (int u = 0; u < 4; u++) dots[(int64_t)(t + u) * r->n] = four[u];
+            }
+            for (; t < nq; t++) {
+                __m512 acc = _mm512_setzero_ps();
+                for (int v = 0; v < nv; v++)
+                    acc = _mm512_dpbf16_ps(acc, rv[v], load_bf16(qh[t], v, nv, tail));
+                dots[(int64_t)t * r->n] = _mm512_reduce_add_ps(acc);
+            }
+        }
+}
+
+static void bf16_dots(const struct rows *r, const void *const *queries, int nq, float *logits,
+                      int i0, int i1) {
+    switch ((r->d + 31) / 32) {  /* the common head sizes, 64 and 128 */
+    case 2: bf16_dots_nv(r, queries, nq, logits, i0, i1, 2); return;
+    case 4: bf16_dots_nv(r, queries, nq, logits, i0, i1, 4); return;
+    default: bf16_dots_nv(r, queries, nq, logits, i0, i1, (r->d + 31) / 32);
+    }
+}
+#endif
+
+#if defined(__AMX_BF16__)
+/* Rows [i, i + 16), at one stride (a page's): per head, 16 rows x 32 of d times the B tile in
+ * one instruction, no horizontal sums. */
+static void amx_block(const struct rows *r, int64_t step_bytes, const uint16_t *tiles, int nq,
+                      float *logits, int i) {
+    const char *first = r->base + r->ids[i] * r->row_bytes;
+    float c[16][16];
+    for (int h = 0; h < r->h_kv; h++) {
+        _tile_zero(0);
+        for (int kb = 0; kb < r->d / 32; kb++) {
+            _tile_loadd(1, first + h * r->head_bytes + kb * 64, step_bytes);
+            _tile_loadd(2, tiles + ((int64_t)h * (r->d / 32) + kb) * 512, 64);
+            _tile_dpbf16ps(0, 1, 2);
+        }
+        _tile_stored(0, c, 64);
+        for (int t = 0; t < nq; t++)
+            for (int j = 0; j < 16; j++) logits[((int64_t)h * nq + t) * r->n + i + j] = c[j][t];
+    }
+}
+
+/* The rows by AMX where 16 lie at one stride; returns how many rows it covered. */
+static int amx_dots(const struct rows *r, const void *const *queries, int nq, float *logits) {
+    uint16_t *tiles;
+    if (r->d % 32 || nq > 16 || r->n < 16 || !amx_usable() ||
+        !(tiles = malloc((size_t)r->h_kv * r->d * 32)))
+        return 0;
+    amx_configure();
+    /* the head's query rows as B tiles: gathered as [d][nq] columns first */
+    uint16_t *columns = calloc((size_t)r->d * 16, 2);
+    for (int h = 0; h < r->h_kv; h++) {
+        for (int t = 0; t < nq; t++)
+            for (int k = 0; k < r->d; k++)
+                columns[k * 16 + t] = ((const uint16_t *)queries[h * nq + t])[k];
+        vnni_tiles(columns, 16, r->d, nq, tiles + (int64_t)h * r->d * 16);
+    }
+    free(columns);
+    int i = 0;
+    for (; i + 16 <= r->n; i += 16) {
+        const int64_t step = r->ids[i + 1] - r->ids[i];
+        int strided = 1;
+        for (int j = 2; j < 16; j++) strided &= r->ids[i + j] == r->ids[i] + j * step;
+        if (strided)
+            amx_block(r, step * r->row_bytes, tiles, nq, logits, i);
+        else
+            bf16_dots(r, queries, nq, logits, i, i + 16);
+    }
+    _tile_release();
+    free(tiles);
+    return i;
+}
+#endif
+
+static void row_dots(const struct rows *r, int dtype, const void *const *queries, int q_dtype,
+                     int nq, float *logits) {
+#if defined(__AVX512BF16__)
+    if (dtype == BF16 && q_dtype == BF16) {
+        int done = 0;
+#if defined(__AMX_BF16__)
+        done = amx_dots(r, queries, nq, logits);
+#endif
+        bf16_dots(r, queries, nq, logits, done, r->n);
+        return;
+    }
+#endif
+    f32_dots(r, dtype, queries, q_dtype, nq, logits);
+}
+
+/* q: [B, s_q, h_q, d] contiguous, of q_dtype. landmarks: row i of head h at i * row_stride +
+ * h * head_stride (elements; unit stride over d). lm_rows int64 [NL]; lm_start, lm_count int32
+ * [B]. out: fp32 [B, h_kv, max_count], already -1. logits: fp32 scratch of
+ * (h_q * s_q + 1) * max_count. Returns 0; 1 if d or h_q * s_q is over its maximum. */
+int landmark_scores(const void *q, int q_dtype, const void *landmarks, int dtype,
+                    int64_t row_stride, int64_t head_stride, const int64_t *lm_rows,
+                    const int32_t *lm_start, const int32_t *lm_count, int batch, int s_q,
+                    int h_q, int h_kv, int d, int max_count, float scale, float *out,
+                    float *logits) {
+    const int g = h_q / h_kv, nq = s_q * g;
+    if (d > MAX_HEAD_DIM || h_q * s_q > MAX_QUERY_ROWS) return 1;
+    float *sum = logits + (int64_t)h_q * s_q * max_count;
+    for (int b = 0; b < batch; b++) {
+        const int n = lm_count[b];
+        if (n == 0) continue;
+        const void *queries[MAX_QUERY_ROWS];  /* h * nq + s * g + j: token s, member j */
+        for (int h = 0; h < h_kv; h++)
+            for (int s = 0; s < s_q; s++)
+                for (int j = 0; j < g; j++)
+                    queries[h * nq + s * g + j] = (const char *)q +
+                        (((int64_t)b * s_q + s) * h_q + h * g + j) * d * element_size(q_dtype);
+        const struct rows r = {landmarks, lm_rows + lm_start[b], row_stride * element_size(dtype),
+                               head_stride * element_size(dtype), n, h_kv, d};
+        row_dots(&r, dtype, queries, q_dtype, nq, logits);
+        for (int h = 0; h < h_kv; h++) {
+            float *scores = out + ((int64_t)b * h_kv + h) * max_count;
+            for (int i = 0; i < n; i++) scores[i] = 0.f;
+            for (int j = 0; j < g; j++) {
+                /* the group member's probabilities summed over the query tokens, in sum */
+                for (int s = 0; s < s_q; s++) {
+                    float *x = logits + ((int64_t)h * nq + s * g + j) * n, top = -INFINITY;
+                    float total = 0.f;
+                    for (int i = 0; i < n; i++) top = x[i] > top ? x[i] : top;
+                    for (int i = 0; i < n; i++) {
+                        x[i] = expf((x[i] - top) * scale);
+                        total += x[i];
+                    }
+                    const float inv = 1.f / total;
+                    for (int i = 0; i < n; i++) sum[i] = (s ? sum[i] : 0.f) + x[i] * inv;
+                }
+                for (int i = 0; i < n; i++) scores[i] = sum[i] > scores[i] ? sum[i] : scores[i];
+            }
+        }
+    }
+    return 0;
+}

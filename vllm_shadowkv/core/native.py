@@ -1,0 +1,170 @@
+"""C kernels of the CPU's decode step, built on first use by the system's C compiler and called
+through ctypes.
+
+Why C: a layer's sparse step on the CPU is mostly the cost of its calls (benchmarks/RESULTS.md,
+"The sparse step's fixed cost per layer"): a torch operation costs about 2 us to call and a
+compiled graph 37-45 us, while a ctypes call costs about 1 us; and the loops here run over the
+requests' rows in place through their row ids, which no single torch operation does. The
+sources are in ``csrc/``; each kernel has its torch reference (same contract) in the module
+named by its wrapper's docstring, and the tests compare them.
+
+The library is built once per source, compiler and CPU (``-march=native``) into
+``$SHADOWKV_CACHE_DIR/native`` (default ``~/.cache/vllm_shadowkv/native``), atomically, so
+processes starting together (tensor-parallel workers) share it. Without a compiler, or with
+``SHADOWKV_NATIVE=0``, ``library()`` is None and the callers keep their torch path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.c"))
+FLAGS = ["-O3", "-ffast-math", "-march=native", "-mprefer-vector-width=512", "-fPIC", "-shared", "-std=gnu11"]
+DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_i64, _i32, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("SHADOWKV_CACHE_DIR") or Path.home() / ".cache" / "vllm_shadowkv"
+    return Path(root) / "native"
+
+
+def _cpu_identity() -> str:
+    """What -march=native depends on: the CPU's model and flags."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor()
+    return "\n".join(sorted({ln for ln in lines if ln.startswith(("model name", "flags"))}))
+
+
+def _build(compiler: str) -> Path:
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
+    digest = hashlib.sha256()
+    for part in [version, _cpu_identity(), " ".join(FLAGS)] + [p.read_text() for p in SOURCES]:
+        digest.update(part.encode())
+    target = _cache_dir() / f"shadowkv_{digest.hexdigest()[:16]}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        built = Path(tmp) / target.name
+        subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", str(built), "-lm", "-lmvec"],
+                       check=True, capture_output=True, text=True)
+        os.replace(built, target)  # atomic: a concurrent build writes the same bytes
+    return target
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The kernels' library, built if needed; None where it cannot be (said once in the log)."""
+    if os.environ.get("SHADOWKV_NATIVE", "1") == "0":
+        return None
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        logger.warning("shadowkv: no C compiler on the path; the CPU decode step runs on torch")
+        return None
+    try:
+        lib = ctypes.CDLL(str(_build(compiler)))
+    except (OSError, subprocess.CalledProcessError) as err:
+        detail = getattr(err, "stderr", "") or err
+        logger.warning("shadowkv: building the C kernels failed (%s); the CPU decode step runs "
+                       "on torch", detail)
+        return None
+    lib.landmark_scores.restype = ctypes.c_int
+    lib.landmark_scores.argtypes = [_ptr, _i32, _ptr, _i32, _i64, _i64, _ptr, _ptr, _ptr, _i32,
+                                    _i32, _i32, _i32, _i32, _i32, ctypes.c_float, _ptr, _ptr]
+    lib.rebuild_keys.restype = None
+    lib.rebuild_keys.argtypes = [_ptr, _i32, _i64, _ptr, _ptr, _ptr, _ptr, _i32, _i32, _ptr, _ptr,
+                                 _ptr, _i32, _i32, _i32, _i32, _ptr, _i32, _i32, _i32, _ptr, _i32,
+                                 _i64, _ptr, _i32]
+    return lib
+
+
+def landmark_scores(q, landmarks, lm_rows, lm_start, lm_count, max_count, scale):
+    """select.landmark_scores in one C call for the whole batch (``csrc/landmark_scores.c``).
+    Takes what ``supports`` accepts."""
+    batch, s_q, h_q, head_dim = q.shape
+    h_kv = landmarks.shape[1]
+    out = torch.full((batch, h_kv, max_count), -1.0, dtype=torch.float32)
+    if max_count == 0:
+        return out
+    q = q.contiguous()
+    if landmarks.stride(-1) != 1:  # the kernel reads a head's row as one run: copy them out
+        landmarks, lm_rows = landmarks[lm_rows].contiguous(), torch.arange(lm_rows.numel())
+    rows, starts, counts = (lm_rows.to(torch.int64).contiguous(),
+                            lm_start.to(torch.int32).contiguous(),
+                            lm_count.to(torch.int32).contiguous())
+    logits = torch.empty((s_q * h_q + 1) * max_count, dtype=torch.float32)
+    row_stride, head_stride, _ = landmarks.stride()
+    failed = library().landmark_scores(
+        q.data_ptr(), DTYPES[q.dtype], landmarks.data_ptr(), DTYPES[landmarks.dtype],
+        row_stride, head_stride, rows.data_ptr(), starts.data_ptr(), counts.data_ptr(), batch,
+        s_q, h_q, h_kv, head_dim, max_count, scale, out.data_ptr(), logits.data_ptr())
+    assert not failed, "outside supports()"
+    return out
+
+
+def supports(q: torch.Tensor, landmarks: torch.Tensor) -> bool:
+    """Whether ``landmark_scores`` here takes these: CPU tensors of fp32, bf16 or fp16, a head
+    dimension of at most 512, at most 1024 query rows (s_q x h_q), and the library built."""
+    s_q, h_q = q.shape[1:3]
+    return (q.device.type == landmarks.device.type == "cpu"
+            and q.dtype in DTYPES and landmarks.dtype in DTYPES and landmarks.shape[-1] <= 512 and s_q * h_q <= 1024
+            and library() is not None)
+
+
+def _int32(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.int32).contiguous()
+
+
+def rebuild_keys(a, a_rows, a_positions, a_start, b, slot_chunks, miss_slots, miss_count, rope,
+                 slot_k, slot_index=None):
+    """reconstruct.rebuild_keys in one C call for the whole batch (``csrc/rebuild_keys.c``).
+    Takes what ``supports_rebuild`` accepts; layouts the kernel does not read (A rows or slots
+    not one run of memory each) are copied first, a case outside the engine."""
+    batch, h_kv, k = slot_chunks.shape
+    rank, head_dim = b.shape[-2:]
+    if a.stride(-1) != 1:
+        a, a_rows = a[a_rows].contiguous(), torch.arange(a_rows.numel())
+    if slot_index is None and not slot_k.is_contiguous():
+        keys = slot_k.contiguous()
+        rebuild_keys(a, a_rows, a_positions, a_start, b, slot_chunks, miss_slots, miss_count,
+                     rope, keys)
+        slot_k.copy_(keys)
+        return
+    assert slot_k.stride(-1) == 1
+    c = slot_index.shape[-1] if slot_index is not None else slot_k.shape[2] // k
+    b, cos_sin = b.contiguous(), rope.cos_sin_cache.contiguous()
+    a_rows = a_rows.to(torch.int64).contiguous()
+    index = slot_index.to(torch.int64).contiguous() if slot_index is not None else None
+    slot_chunks, miss_slots, miss_count = map(_int32, (slot_chunks, miss_slots, miss_count))
+    a_positions, a_start = _int32(a_positions), _int32(a_start)
+    library().rebuild_keys(
+        a.data_ptr(), DTYPES[a.dtype], a.stride(0), a_rows.data_ptr(), a_positions.data_ptr(),
+        a_start.data_ptr(), b.data_ptr(), DTYPES[b.dtype], rank, slot_chunks.data_ptr(),
+        miss_slots.data_ptr(), miss_count.data_ptr(), batch, h_kv, k, c, cos_sin.data_ptr(),
+        DTYPES[cos_sin.dtype], rope.rotary_dim, rope.is_neox_style, slot_k.data_ptr(),
+        DTYPES[slot_k.dtype], slot_k.stride(0) if index is not None else 0,
+        index.data_ptr() if index is not None else None, head_dim)
+
+
+def supports_rebuild(a: torch.Tensor, b: torch.Tensor, rope, slot_k: torch.Tensor) -> bool:
+    """Whether ``rebuild_keys`` here takes these: CPU tensors of fp32, bf16 or fp16, a rotary
+    dimension of at most 512, and the library built."""
+    tensors = (a, b, rope.cos_sin_cache, slot_k)
+    return (all(t.device.type == "cpu" and t.dtype in DTYPES for t in tensors)
+            and rope.rotary_dim <= 512 and library() is not None)
