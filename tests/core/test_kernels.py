@@ -1,9 +1,8 @@
 """Every Triton kernel (interpreted on the CPU, see conftest.py), every compiled CPU kernel
-(core/cpu_kernels.py) and every C kernel (core/native.py) against its torch reference: ragged lengths (including empty requests),
-GQA groups 1/4/8, head_dim 64/128, bf16/fp32, non-contiguous inputs, fresh random inputs each
-test."""
+(core/cpu_kernels.py) and every C kernel (core/native.py) against its torch reference: ragged
+lengths (including empty requests), GQA groups 1/4/8, head_dim 64/128, bf16/fp32,
+non-contiguous inputs, fresh random inputs each test."""
 
-import contextlib
 import os
 import subprocess
 import sys
@@ -274,42 +273,33 @@ def test_scatter_values(head_dim, dtype, slots, impl, staged, kernel_device):
 @pytest.mark.parametrize("n", [0, 1, 2, 301])
 @pytest.mark.parametrize("width,src_dtype,dst_dtype", [(64, torch.float32, torch.float32),
                                                        (128, torch.float32, torch.bfloat16),
+                                                       (72, torch.bfloat16, torch.float16),
                                                        (1024, torch.bfloat16, torch.bfloat16)])
 @pytest.mark.parametrize("gathered", [False, True])
-@pytest.mark.parametrize("warming", [False, True])
-def test_copy_rows(n, width, src_dtype, dst_dtype, gathered, warming):
-    """The compiled row scatter against index_copy_: rows in any order, a gather of the source
-    rows or none, a dtype conversion; dst a view at an offset into a larger buffer (as a layer's
-    pages are), nothing outside the written rows touched. Small copies run eagerly, except in
-    the warm-up (``warming``), which compiles the graph whatever the size."""
+def test_copy_rows(n, width, src_dtype, dst_dtype, gathered):
+    """The C row scatter against index_copy_: rows in any order, a gather of the source rows or
+    none, a dtype conversion; dst a view at an offset into a larger buffer (as a layer's pages
+    are), nothing outside the written rows touched."""
     _kernels("cpu", torch.device("cpu"))
     buffer = torch.randn(3, 517 * width).to(dst_dtype)
     index = torch.randperm(517)[:n]
     src = torch.randn(n + 9 * gathered, width).to(src_dtype)
     src_index = torch.randperm(n + 9)[:n] if gathered else None
     got, want = buffer.clone(), buffer.clone()
-    with cpu_kernels.warming() if warming else contextlib.nullcontext():
-        cpu_kernels.copy_rows(got[1].view(517, width), index, src, src_index)
+    assert native.supports_copy(got[1].view(517, width), src)
+    native.copy_rows(got[1].view(517, width), index, src, src_index)
     reconstruct.copy_rows(want[1].view(517, width), index, src, src_index)
     assert torch.equal(got, want)
     rows = src if src_index is None else src[src_index]
     assert torch.equal(want[1].view(517, width)[index], rows.to(dst_dtype))
 
 
-def test_copy_rows_runs_small_copies_eagerly_except_in_the_warm_up(monkeypatch):
-    """Below ``EAGER_COPY_ELEMENTS`` the compiled call's fixed cost is more than the copy:
-    eager; at or above it, and in the warm-up at any size of two rows or more, compiled."""
-    calls = []
-    monkeypatch.setattr(cpu_kernels, "_compiled_copy_rows", lambda *args: calls.append(args))
-    width = 64
-    small = cpu_kernels.EAGER_COPY_ELEMENTS // width - 1
-    dst, src = torch.zeros(4 * small, width), torch.randn(4 * small, width)
-    for n, warming, compiled in [(small, False, False), (small + 1, False, True),
-                                 (2, True, True), (1, True, False)]:
-        calls.clear()
-        with cpu_kernels.warming() if warming else contextlib.nullcontext():
-            cpu_kernels.copy_rows(dst, torch.arange(n), src[:n])
-        assert bool(calls) == compiled, (n, warming)
+def test_copy_rows_of_other_layouts_take_the_reference():
+    """Rows that are not one run of memory each (a column slice) are not the C kernel's."""
+    dst, src = torch.zeros(10, 8), torch.randn(10, 16)[:, ::2]
+    assert not native.supports_copy(dst, src)
+    cpu_kernels.copy_rows(dst, torch.tensor([3, 1]), src, torch.tensor([0, 5]))
+    assert torch.equal(dst[[3, 1]], src[[0, 5]])
 
 
 @pytest.mark.parametrize("tokens,h_kv,head_dim,rotary_dim,neox",

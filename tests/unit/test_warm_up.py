@@ -61,10 +61,9 @@ def test_after_warm_up_decoding_compiles_nothing(name, settings):
             warm.run()
         compiled = counters["stats"]["unique_graphs"]
         assert compiled > 0  # the warm-up compiled the method's kernels
-        for index in layers:  # three other requests, other batch sizes and compositions,
-            # as in serving (``_run``: small copies eager, large ones the warm-up's graphs)
+        for index in layers:  # three other requests, other batch sizes and compositions
             scratch(layout, index, prompt_lens=[700, 1031, 4000],
-                    batches=((0, 1, 2), (2,), (0, 2), (1,), (0, 1, 2)))._run()
+                    batches=((0, 1, 2), (2,), (0, 2), (1,), (0, 1, 2))).run()
     assert counters["stats"]["unique_graphs"] == compiled
     method = layout.method
     for state in ("_plans", "_batch_plans", "_scores", "_kept", "_absmax", "_slot_tokens"):

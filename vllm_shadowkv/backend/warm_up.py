@@ -23,7 +23,6 @@ import torch
 from vllm_shadowkv.backend.exact_attention import read_exact, write_exact
 from vllm_shadowkv.backend.layout import PageLayout
 from vllm_shadowkv.backend.worker_state import STATE, RequestStats
-from vllm_shadowkv.core import cpu_kernels
 from vllm_shadowkv.core.ops import compiles, kernel_mode
 from vllm_shadowkv.methods.base import LayerContext, RequestRows
 from vllm_shadowkv.store import CpuValueStore
@@ -118,12 +117,6 @@ class ScratchLayer:
                 torch.randn(n, h_kv, d, device=self.device, dtype=self.dtype))
 
     def run(self) -> None:
-        """Prefill and decode; every kernel call compiles its graph, however small (small copies
-        run eagerly in serving: their graph is compiled here for the larger ones)."""
-        with cpu_kernels.warming():
-            self._run()
-
-    def _run(self) -> None:
         method, layout = self.layout.method, self.layout
         req_ids = [f"shadowkv-warm-up-{i}" for i in range(len(self.prompt_lens))]
         try:

@@ -15,7 +15,6 @@ at 12 GFLOP/s. Tested against the references in tests/core/test_kernels.py.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 import shutil
@@ -25,9 +24,9 @@ import types
 import torch
 from torch.fx.experimental import _config as fx_config
 
-from . import critical_channels, heavy_hitters, landmarks, reconstruct, rope as rope_ops
+from . import critical_channels, heavy_hitters, landmarks, native, reconstruct, rope as rope_ops
 from .kivi import unpack_codes
-from .rope import RopeCache, apply_rope
+from .rope import RopeCache
 
 
 @functools.cache
@@ -164,35 +163,11 @@ def _write_slots(slots: torch.Tensor, dest: torch.Tensor, picked: torch.Tensor,
               src.reshape(src.shape[0], -1), src_index)
 
 
-# The reference, compiled: its gather, conversion and scatter become one vectorized loop that
-# writes into dst in place (2 MiB of rows: 0.29 ms; eager index_copy_ 0.62, element by element).
-# dst's size and offset are symbolic: every layer's cache runs the same graph.
-_compiled_copy_rows = _compiled(reconstruct.copy_rows)
-
-
-# Below this many elements a scatter runs eagerly: the compiled call's fixed cost (about 45 us on
-# the 2-core Xeon, dynamo's frame and AOT wrappers) is more than eager index_copy_ takes there.
-EAGER_COPY_ELEMENTS = 1 << 16
-_warming = False
-
-
-@contextlib.contextmanager
-def warming():
-    """Every call runs its compiled graph, whatever its size: the start-up warm-up's small
-    requests compile the graphs that larger steps run later (not in the middle of serving)."""
-    global _warming
-    before, _warming = _warming, True
-    try:
-        yield
-    finally:
-        _warming = before
-
-
 def copy_rows(dst, index, src, src_index=None):
-    # Fewer than two rows run eagerly: sizes 0 and 1 would each compile a graph mid-serving.
-    n = index.numel()
-    compiled = n > 1 and (_warming or n * math.prod(dst.shape[1:]) >= EAGER_COPY_ELEMENTS)
-    (_compiled_copy_rows if compiled else reconstruct.copy_rows)(dst, index, src, src_index)
+    """The CPU's row copy: the C kernel (native.py) where it takes the tensors, else the
+    reference (eager ``index_copy_`` copies element by element, at half index_select's rate)."""
+    (native if native.supports_copy(dst, src) else reconstruct).copy_rows(dst, index, src,
+                                                                          src_index)
 
 
 @_compiled

@@ -3,7 +3,7 @@ through ctypes.
 
 Why C: a layer's sparse step on the CPU is mostly the cost of its calls (benchmarks/RESULTS.md,
 "The sparse step's fixed cost per layer"): a torch operation costs about 2 us to call and a
-compiled graph 37-45 us, while a ctypes call costs about 1 us; and the loops here run over the
+compiled graph 37-45 us, while a ctypes call costs 1.4 us; and the loops here run over the
 requests' rows in place through their row ids, which no single torch operation does. The
 sources are in ``csrc/``; each kernel has its torch reference (same contract) in the module
 named by its wrapper's docstring, and the tests compare them.
@@ -31,8 +31,12 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.c"))
-FLAGS = ["-O3", "-ffast-math", "-march=native", "-mprefer-vector-width=512", "-fPIC", "-shared", "-std=gnu11"]
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = sorted(CSRC.glob("*.c"))
+# -ffast-math: the dot products' and sums' loops vectorise (fp32 sums in any order); 512-bit
+# vectors: gcc prefers 256-bit ones on this CPU, and the softmax's exp then ran at half the rate
+FLAGS = ["-O3", "-ffast-math", "-march=native", "-mprefer-vector-width=512", "-fPIC", "-shared",
+         "-std=gnu11"]
 DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _i64, _i32, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
 
@@ -54,7 +58,8 @@ def _cpu_identity() -> str:
 def _build(compiler: str) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
     digest = hashlib.sha256()
-    for part in [version, _cpu_identity(), " ".join(FLAGS)] + [p.read_text() for p in SOURCES]:
+    files = sorted(CSRC.glob("*.[ch]"))  # the headers too
+    for part in [version, _cpu_identity(), " ".join(FLAGS)] + [p.read_text() for p in files]:
         digest.update(part.encode())
     target = _cache_dir() / f"shadowkv_{digest.hexdigest()[:16]}.so"
     if target.exists():
@@ -91,6 +96,8 @@ def library() -> ctypes.CDLL | None:
     lib.rebuild_keys.argtypes = [_ptr, _i32, _i64, _ptr, _ptr, _ptr, _ptr, _i32, _i32, _ptr, _ptr,
                                  _ptr, _i32, _i32, _i32, _i32, _ptr, _i32, _i32, _i32, _ptr, _i32,
                                  _i64, _ptr, _i32]
+    lib.copy_rows.restype = None
+    lib.copy_rows.argtypes = [_ptr, _i32, _i64, _ptr, _i64, _ptr, _i32, _i64, _ptr, _i64]
     return lib
 
 
@@ -123,7 +130,8 @@ def supports(q: torch.Tensor, landmarks: torch.Tensor) -> bool:
     dimension of at most 512, at most 1024 query rows (s_q x h_q), and the library built."""
     s_q, h_q = q.shape[1:3]
     return (q.device.type == landmarks.device.type == "cpu"
-            and q.dtype in DTYPES and landmarks.dtype in DTYPES and landmarks.shape[-1] <= 512 and s_q * h_q <= 1024
+            and q.dtype in DTYPES and landmarks.dtype in DTYPES and landmarks.shape[-1] <= 512
+            and s_q * h_q <= 1024
             and library() is not None)
 
 
@@ -168,3 +176,29 @@ def supports_rebuild(a: torch.Tensor, b: torch.Tensor, rope, slot_k: torch.Tenso
     tensors = (a, b, rope.cos_sin_cache, slot_k)
     return (all(t.device.type == "cpu" and t.dtype in DTYPES for t in tensors)
             and rope.rotary_dim <= 512 and library() is not None)
+
+
+def copy_rows(dst, index, src, src_index=None):
+    """reconstruct.copy_rows in one C call (``csrc/copy_rows.c``), for what ``supports_copy``
+    accepts."""
+    n = index.numel()
+    if n == 0:
+        return
+    index = index.to(torch.int64).contiguous()
+    if src_index is not None:
+        src_index = src_index.to(torch.int64).contiguous()
+    library().copy_rows(dst.data_ptr(), DTYPES[dst.dtype], dst.stride(0), index.data_ptr(), n,
+                        src.data_ptr(), DTYPES[src.dtype], src.stride(0),
+                        None if src_index is None else src_index.data_ptr(), dst[0].numel())
+
+
+def supports_copy(dst: torch.Tensor, src: torch.Tensor) -> bool:
+    """Whether ``copy_rows`` here takes these: CPU tensors of fp32, bf16 or fp16, each row one
+    run of memory, and the library built."""
+    return (dst.device.type == src.device.type == "cpu" and dst.dtype in DTYPES
+            and src.dtype in DTYPES and _rows_contiguous(dst) and _rows_contiguous(src)
+            and library() is not None)
+
+
+def _rows_contiguous(t: torch.Tensor) -> bool:
+    return t.dim() >= 1 and t[0].is_contiguous() if len(t) else True

@@ -121,10 +121,8 @@ def scatter_values(staging, staging_start, miss_slots, miss_count, slot_v):
 
 def copy_rows(dst, index, src, src_index=None):
     """dst[index[i]] = src[src_index[i]]: the row writes of the slots and the state pages. CUDA
-    runs torch's index_copy_ (the reference); the CPU its compiled loop (eager index_copy_ copies
-    element by element, at half the rate of index_select)."""
-    impl = cpu_kernels if compiled_cpu(dst) else reconstruct
-    impl.copy_rows(dst, index, src, src_index)
+    runs torch's index_copy_ (the reference); the CPU a C loop (cpu_kernels.copy_rows)."""
+    (cpu_kernels if compiled_cpu(dst) else reconstruct).copy_rows(dst, index, src, src_index)
 
 
 def quant_attention(q, groups, group_table, group_count, fmt, scale, logits_row=None):
