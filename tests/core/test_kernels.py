@@ -99,7 +99,7 @@ def test_landmark_scores_read_the_pages_in_place(q_dtype, dtype, group, head_dim
     starts = torch.cumsum(counts, 0, dtype=torch.int32) - counts
     q = torch.randn(len(requests), s_q, h_kv * group, head_dim).to(q_dtype)
     args = q, landmarks, lm_rows, starts, counts, int(counts.max()), head_dim ** -0.5
-    assert native.supports(q, landmarks)
+    assert native.supports_scores(q, landmarks)
     got = native.landmark_scores(*args)
     torch.testing.assert_close(got, select.landmark_scores(*args), atol=1e-6, rtol=1e-5)
 
@@ -114,11 +114,11 @@ def test_native_library_is_optional(monkeypatch, caplog):
             patch.setattr(native.shutil, "which", lambda _: None)
             native.library.cache_clear()
             assert native.library() is None and "no C compiler" in caplog.text
-            assert not native.supports(q, landmarks)
+            assert not native.supports_scores(q, landmarks)
         with monkeypatch.context() as patch:
             patch.setenv("SHADOWKV_NATIVE", "0")
             native.library.cache_clear()
-            assert native.library() is None and not native.supports(q, landmarks)
+            assert native.library() is None and not native.supports_scores(q, landmarks)
     finally:
         native.library.cache_clear()
 

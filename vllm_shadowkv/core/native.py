@@ -103,7 +103,7 @@ def library() -> ctypes.CDLL | None:
 
 def landmark_scores(q, landmarks, lm_rows, lm_start, lm_count, max_count, scale):
     """select.landmark_scores in one C call for the whole batch (``csrc/landmark_scores.c``).
-    Takes what ``supports`` accepts."""
+    Takes what ``supports_scores`` accepts."""
     batch, s_q, h_q, head_dim = q.shape
     h_kv = landmarks.shape[1]
     out = torch.full((batch, h_kv, max_count), -1.0, dtype=torch.float32)
@@ -121,11 +121,11 @@ def landmark_scores(q, landmarks, lm_rows, lm_start, lm_count, max_count, scale)
         q.data_ptr(), DTYPES[q.dtype], landmarks.data_ptr(), DTYPES[landmarks.dtype],
         row_stride, head_stride, rows.data_ptr(), starts.data_ptr(), counts.data_ptr(), batch,
         s_q, h_q, h_kv, head_dim, max_count, scale, out.data_ptr(), logits.data_ptr())
-    assert not failed, "outside supports()"
+    assert not failed, "outside supports_scores()"
     return out
 
 
-def supports(q: torch.Tensor, landmarks: torch.Tensor) -> bool:
+def supports_scores(q: torch.Tensor, landmarks: torch.Tensor) -> bool:
     """Whether ``landmark_scores`` here takes these: CPU tensors of fp32, bf16 or fp16, a head
     dimension of at most 512, at most 1024 query rows (s_q x h_q), and the library built."""
     s_q, h_q = q.shape[1:3]
@@ -193,11 +193,11 @@ def copy_rows(dst, index, src, src_index=None):
 
 
 def supports_copy(dst: torch.Tensor, src: torch.Tensor) -> bool:
-    """Whether ``copy_rows`` here takes these: CPU tensors of fp32, bf16 or fp16, each row one
-    run of memory, and the library built."""
+    """Whether ``copy_rows`` here takes these: CPU tensors of fp32, bf16 or fp16, rows of one
+    width, each one run of memory, and the library built."""
     return (dst.device.type == src.device.type == "cpu" and dst.dtype in DTYPES
-            and src.dtype in DTYPES and _rows_contiguous(dst) and _rows_contiguous(src)
-            and library() is not None)
+            and src.dtype in DTYPES and dst.shape[1:].numel() == src.shape[1:].numel()
+            and _rows_contiguous(dst) and _rows_contiguous(src) and library() is not None)
 
 
 def _rows_contiguous(t: torch.Tensor) -> bool:

@@ -79,7 +79,7 @@ def chunk_geometry(keys, chunk_size):
 
 def landmark_scores(q, landmarks, lm_rows, lm_start, lm_count, max_count, scale):
     impl = (_kernels("select_kernels") if _use_triton(q)
-            else native if compiled_cpu(q) and native.supports(q, landmarks) else select)
+            else native if compiled_cpu(q) and native.supports_scores(q, landmarks) else select)
     return impl.landmark_scores(q, landmarks, lm_rows, lm_start, lm_count, max_count, scale)
 
 
