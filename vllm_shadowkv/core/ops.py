@@ -1,10 +1,10 @@
 """The one dispatch point between the torch references and the kernels.
 
 Mode "auto": CUDA tensors go to the Triton kernels, CPU tensors to the compiled CPU kernels
-(core/cpu_kernels.py) and the C kernels (core/native.py; both: the references where no C++
-compiler is installed). "triton" sends every
-tensor to the Triton kernels (CPU tensors work only under TRITON_INTERPRET=1: how the kernel
-path is tested inside the CPU engine); "torch" sends every tensor to the references.
+(core/cpu_kernels.py) and the C kernels (core/native.py; both: the references where no C/C++
+compiler is installed). "triton" sends every tensor to the Triton kernels (CPU tensors work only
+under TRITON_INTERPRET=1: how the kernel path is tested inside the CPU engine); "torch" sends
+every tensor to the references.
 """
 
 import contextlib
