@@ -38,6 +38,8 @@ SOURCES = sorted(CSRC.glob("*.c"))
 FLAGS = ["-O3", "-ffast-math", "-march=native", "-mprefer-vector-width=512", "-fPIC", "-shared",
          "-std=gnu11"]
 DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+MAX_HEAD_DIM = 512  # the sources' MAX_HEAD_DIM (landmark rows), and the rotary dim's bound
+MAX_QUERY_ROWS = 1024  # landmark_scores.c's MAX_QUERY_ROWS (h_q x s_q)
 _i64, _i32, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
 
 
@@ -101,6 +103,14 @@ def library() -> ctypes.CDLL | None:
     return lib
 
 
+def _int32(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.int32).contiguous()
+
+
+def _int64(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.int64).contiguous()
+
+
 def landmark_scores(q, landmarks, lm_rows, lm_start, lm_count, max_count, scale):
     """select.landmark_scores in one C call for the whole batch (``csrc/landmark_scores.c``).
     Takes what ``supports_scores`` accepts."""
@@ -112,9 +122,7 @@ def landmark_scores(q, landmarks, lm_rows, lm_start, lm_count, max_count, scale)
     q = q.contiguous()
     if landmarks.stride(-1) != 1:  # the kernel reads a head's row as one run: copy them out
         landmarks, lm_rows = landmarks[lm_rows].contiguous(), torch.arange(lm_rows.numel())
-    rows, starts, counts = (lm_rows.to(torch.int64).contiguous(),
-                            lm_start.to(torch.int32).contiguous(),
-                            lm_count.to(torch.int32).contiguous())
+    rows, starts, counts = _int64(lm_rows), _int32(lm_start), _int32(lm_count)
     logits = torch.empty((s_q * h_q + 1) * max_count, dtype=torch.float32)
     row_stride, head_stride, _ = landmarks.stride()
     failed = library().landmark_scores(
@@ -130,13 +138,9 @@ def supports_scores(q: torch.Tensor, landmarks: torch.Tensor) -> bool:
     dimension of at most 512, at most 1024 query rows (s_q x h_q), and the library built."""
     s_q, h_q = q.shape[1:3]
     return (q.device.type == landmarks.device.type == "cpu"
-            and q.dtype in DTYPES and landmarks.dtype in DTYPES and landmarks.shape[-1] <= 512
-            and s_q * h_q <= 1024
+            and q.dtype in DTYPES and landmarks.dtype in DTYPES
+            and landmarks.shape[-1] <= MAX_HEAD_DIM and s_q * h_q <= MAX_QUERY_ROWS
             and library() is not None)
-
-
-def _int32(t: torch.Tensor) -> torch.Tensor:
-    return t.to(torch.int32).contiguous()
 
 
 def rebuild_keys(a, a_rows, a_positions, a_start, b, slot_chunks, miss_slots, miss_count, rope,
@@ -157,8 +161,8 @@ def rebuild_keys(a, a_rows, a_positions, a_start, b, slot_chunks, miss_slots, mi
     assert slot_k.stride(-1) == 1
     c = slot_index.shape[-1] if slot_index is not None else slot_k.shape[2] // k
     b, cos_sin = b.contiguous(), rope.cos_sin_cache.contiguous()
-    a_rows = a_rows.to(torch.int64).contiguous()
-    index = slot_index.to(torch.int64).contiguous() if slot_index is not None else None
+    a_rows = _int64(a_rows)
+    index = _int64(slot_index) if slot_index is not None else None
     slot_chunks, miss_slots, miss_count = map(_int32, (slot_chunks, miss_slots, miss_count))
     a_positions, a_start = _int32(a_positions), _int32(a_start)
     library().rebuild_keys(
@@ -175,7 +179,7 @@ def supports_rebuild(a: torch.Tensor, b: torch.Tensor, rope, slot_k: torch.Tenso
     dimension of at most 512, and the library built."""
     tensors = (a, b, rope.cos_sin_cache, slot_k)
     return (all(t.device.type == "cpu" and t.dtype in DTYPES for t in tensors)
-            and rope.rotary_dim <= 512 and library() is not None)
+            and rope.rotary_dim <= MAX_HEAD_DIM and library() is not None)
 
 
 def copy_rows(dst, index, src, src_index=None):
@@ -184,9 +188,9 @@ def copy_rows(dst, index, src, src_index=None):
     n = index.numel()
     if n == 0:
         return
-    index = index.to(torch.int64).contiguous()
+    index = _int64(index)
     if src_index is not None:
-        src_index = src_index.to(torch.int64).contiguous()
+        src_index = _int64(src_index)
     library().copy_rows(dst.data_ptr(), DTYPES[dst.dtype], dst.stride(0), index.data_ptr(), n,
                         src.data_ptr(), DTYPES[src.dtype], src.stride(0),
                         None if src_index is None else src_index.data_ptr(), dst[0].numel())
