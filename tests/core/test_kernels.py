@@ -294,6 +294,67 @@ def test_copy_rows(n, width, src_dtype, dst_dtype, gathered):
     assert torch.equal(want[1].view(517, width)[index], rows.to(dst_dtype))
 
 
+def _decode_rows(batch, h_kv, s_q, exact_width, k, c, gen_width, n_rows):
+    """Row ids of a decode step's attended keys or values [B, h_kv, E + k*c + G + s_q], the
+    step's masks at random, and every masked row pointed at a NaN row (``n_rows`` on)."""
+    width = exact_width + k * c + gen_width + s_q
+    ids = torch.randperm(n_rows)[:batch * h_kv * width].view(batch, h_kv, width)
+    exact_len = torch.randint(0, exact_width + 1, (batch,))
+    slot_chunks = torch.randint(-1, 50, (batch, h_kv, k), dtype=torch.int32)
+    gen_before = torch.randint(0, gen_width + 1, (batch,))
+    col = torch.arange(width)
+    gen = col - exact_width - k * c
+    masked = torch.where(col < exact_width, col.view(1, 1, -1) >= exact_len.view(-1, 1, 1),
+                         gen.view(1, 1, -1) >= gen_before.view(-1, 1, 1) + s_q)
+    in_slots = (col >= exact_width) & (gen < 0)
+    slot_of = ((col - exact_width) // c).clamp(0, max(k - 1, 0))
+    if k:
+        empty = (slot_chunks < 0).gather(-1, slot_of.expand(batch, h_kv, -1))
+        masked = torch.where(in_slots, empty, masked)
+    return ids.masked_fill(masked, n_rows), exact_len, slot_chunks, gen_before
+
+
+@needs_native
+@pytest.mark.parametrize("group,head_dim", [(1, 64), (4, 128), (8, 72), (4, 96)])
+@pytest.mark.parametrize("q_dtype,dtype", [(torch.bfloat16, torch.bfloat16),
+                                           (torch.float32, torch.float32),
+                                           (torch.bfloat16, torch.float16)])
+@pytest.mark.parametrize("s_q", [1, 3])
+def test_decode_attention(group, head_dim, q_dtype, dtype, s_q):
+    """The C attention over rows in place against the reference (one gather, the masks, the
+    fused kernel): ragged exact lengths, empty slots, ragged generated tokens with the step's
+    causal ones, and NaN in every row no visible key or value lies in."""
+    batch, h_kv, exact_width, k, c, gen_width, n_rows = 3, 2, 11, 5, 8, 6, 4000
+    k_rows, exact_len, slot_chunks, gen_before = _decode_rows(
+        batch, h_kv, s_q, exact_width, k, c, gen_width, n_rows)
+    v_rows, *_ = _decode_rows(batch, h_kv, s_q, exact_width, k, c, gen_width, n_rows)
+    v_rows = torch.where(k_rows == n_rows, n_rows, v_rows.clamp(max=n_rows - 1))
+    pages = torch.randn(n_rows + 1, head_dim + 8).to(dtype)
+    q = torch.randn(batch, s_q, h_kv * group, head_dim).to(q_dtype)
+    args = (k_rows, v_rows, exact_width, exact_len, slot_chunks, c, gen_before, 0.17)
+    want, want_lse = attention.decode_attention(q, pages[:, 4:4 + head_dim], *args)
+    pages[n_rows] = float("nan")  # the reference multiplies masked rows by 0: not the kernel
+    rows = pages[:, 4:4 + head_dim]  # rows of a wider page: a row stride of its own
+    assert native.supports_decode_attention(q, rows)
+    got, got_lse = native.decode_attention(q, rows, *args)
+    assert got.dtype == want.dtype == q_dtype
+    torch.testing.assert_close(got_lse, want_lse, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got.float(), want.float(), **_tol(q_dtype))
+
+
+@needs_native
+def test_decode_attention_of_a_query_without_keys():
+    """No valid exact row, no filled slot, no generated token: out 0 and lse -inf, as the
+    reference gives."""
+    q, rows = torch.randn(1, 1, 4, 64).to(torch.bfloat16), torch.randn(50, 64).to(torch.bfloat16)
+    ids = torch.arange(2 * 8).view(1, 2, 8)  # 4 exact rows, one slot of 4 rows, no generated
+    args = (q, rows, ids, ids + 20, 4, torch.tensor([0]), torch.full((1, 2, 1), -1,
+            dtype=torch.int32), 4, torch.tensor([0]), 0.125)
+    for impl in (native, attention):
+        out, lse = impl.decode_attention(*args)
+        assert torch.equal(out, torch.zeros_like(out)) and bool(torch.isneginf(lse).all())
+
+
 def test_copy_rows_of_other_layouts_take_the_reference():
     """Rows that are not one run of memory each (a column slice) are not the C kernel's."""
     dst, src = torch.zeros(10, 8), torch.randn(10, 16)[:, ::2]

@@ -17,7 +17,7 @@ efficient path primes them with exact prefill keys).
 
 In the engine's CPU step the slots are refilled where they lie in the pages (``InPlace``): the
 rebuilt keys and fetched values are written once, straight into their pages, and the attention
-then reads the exact region, the slots and the generated tokens in one gather and one call
+then reads the exact region, the slots and the generated tokens where they lie, in one call
 (copying the slots out before the refill and back after cost 2 copies of every refilled row).
 """
 
@@ -61,10 +61,10 @@ class InPlace:
     slot_k: torch.Tensor  # [B, h_kv, k, c] int64 rows of ``rows`` holding each slot's
     slot_v: torch.Tensor  # keys / values, token by token (a chunk may straddle two pages)
 
-    def attended(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The attended keys and values, [B, h_kv, W, d] each: one gather (after the refill)."""
-        return tuple(torch.index_select(self.rows, 0, rows.flatten()).view(
-            *rows.shape, self.rows.shape[1]) for rows in (self.k_rows, self.v_rows))
+    def generated(self, slot_width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The generated tokens' keys and values, [B, h_kv, G + s_q, d] each (a gather)."""
+        return tuple(self.rows[rows[:, :, self.exact_width + slot_width:]]
+                     for rows in (self.k_rows, self.v_rows))
 
 
 @dataclass
@@ -97,9 +97,15 @@ class DecodeBatch:
     # (over [B, h_kv, k]) they filled, the only slots whose pages need writing.
     step_misses: list[int] = field(default_factory=list)
     step_filled: torch.Tensor | None = None
-    # In the pages (then exact_*, slot_* and gen_* are views of one gather, made by decode_step
-    # after the refill; gen_len counts the tokens before the step, already in the pages).
+    # In the pages (then exact_*, slot_* and gen_* are None: the attention reads the pages;
+    # gen_len counts the tokens before the step, already in the pages).
     in_place: InPlace | None = None
+
+    def generated(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The generated tokens' K/V, [B, h_kv, >= G + s_q, d] each (after a step: its own)."""
+        if self.in_place is None:
+            return self.gen_k, self.gen_v
+        return self.in_place.generated(self.slot_chunks.shape[-1] * self.params.chunk_size)
 
     @classmethod
     def build(cls, prompts: Sequence[CompressedPrompt], store_keys: Sequence[Hashable],
@@ -209,10 +215,6 @@ class DecodeBatch:
         ops.scatter_values(staging, staging_start, miss_slots, miss_count, self.slot_v)
 
 
-def _split(t: torch.Tensor, exact: int, slots: int):
-    return t[:, :, :exact], t[:, :, exact:exact + slots], t[:, :, exact + slots:]
-
-
 def decode_step(
     batch: DecodeBatch,
     q: torch.Tensor,
@@ -236,22 +238,17 @@ def decode_step(
     if batch.max_landmarks > 0:
         batch._refresh_slots(q, store)
 
+    if batch.in_place is not None:  # one call over the rows where they lie, after the refill
+        pages = batch.in_place
+        return ops.decode_attention(q, pages.rows, pages.k_rows, pages.v_rows, pages.exact_width,
+                                    batch.exact_len, batch.slot_chunks, c, gen_before, scale)
     device = q.device
-    if batch.in_place is not None:
-        keys, values = batch.in_place.attended()
-        bounds = (batch.in_place.exact_width, batch.slot_chunks.shape[-1] * c)
-        batch.exact_k, batch.slot_k, batch.gen_k = _split(keys, *bounds)
-        batch.exact_v, batch.slot_v, batch.gen_v = _split(values, *bounds)
     exact_mask = (torch.arange(batch.exact_k.shape[2], device=device)
                   < batch.exact_len.view(-1, 1)).view(-1, 1, 1, batch.exact_k.shape[2])
     slot_mask = (batch.slot_chunks >= 0).repeat_interleave(c, dim=-1).unsqueeze(2)
     gen_width = batch.gen_width
     visible = gen_before.view(-1, 1) + torch.arange(1, s_q + 1, device=device)  # [B, s_q]
     gen_mask = (torch.arange(gen_width, device=device) < visible.unsqueeze(-1)).unsqueeze(1)
-    if batch.in_place is not None:  # one call over the one gather
-        masks = [m.expand(-1, slot_mask.shape[1], s_q, -1)
-                 for m in (exact_mask, slot_mask, gen_mask)]
-        return attention_with_lse(q, keys, values, torch.cat(masks, dim=-1), scale)
     parts = [
         attention_with_lse(q, batch.exact_k, batch.exact_v, exact_mask, scale),
         attention_with_lse(q, batch.gen_k[:, :, :gen_width], batch.gen_v[:, :, :gen_width],

@@ -98,6 +98,10 @@ def library() -> ctypes.CDLL | None:
     lib.rebuild_keys.argtypes = [_ptr, _i32, _i64, _ptr, _ptr, _ptr, _ptr, _i32, _i32, _ptr, _ptr,
                                  _ptr, _i32, _i32, _i32, _i32, _ptr, _i32, _i32, _i32, _ptr, _i32,
                                  _i64, _ptr, _i32]
+    lib.decode_attention.restype = ctypes.c_int
+    lib.decode_attention.argtypes = [_ptr, _i32, _ptr, _i32, _i64, _ptr, _ptr, _i32, _i32, _i32,
+                                     _i32, _i32, _i32, _i32, _ptr, _ptr, _i32, _i32, _ptr,
+                                     ctypes.c_float, _ptr, _i32, _ptr]
     lib.copy_rows.restype = None
     lib.copy_rows.argtypes = [_ptr, _i32, _i64, _ptr, _i64, _ptr, _i32, _i64, _ptr, _i64]
     return lib
@@ -180,6 +184,35 @@ def supports_rebuild(a: torch.Tensor, b: torch.Tensor, rope, slot_k: torch.Tenso
     tensors = (a, b, rope.cos_sin_cache, slot_k)
     return (all(t.device.type == "cpu" and t.dtype in DTYPES for t in tensors)
             and rope.rotary_dim <= MAX_HEAD_DIM and library() is not None)
+
+
+def decode_attention(q, rows, k_rows, v_rows, exact_width, exact_len, slot_chunks, chunk_size,
+                     gen_before, scale):
+    """attention.decode_attention in one C call for the whole batch
+    (``csrc/decode_attention.c``), for what ``supports_decode_attention`` accepts."""
+    batch, s_q, h_q, head_dim = q.shape
+    h_kv, width = k_rows.shape[1:]
+    q = q.contiguous()
+    k_rows, v_rows, exact_len, gen_before = map(_int64, (k_rows, v_rows, exact_len, gen_before))
+    slot_chunks = _int32(slot_chunks)
+    out = torch.empty_like(q)
+    lse = torch.empty(batch, s_q, h_q, dtype=torch.float32)
+    failed = library().decode_attention(
+        q.data_ptr(), DTYPES[q.dtype], rows.data_ptr(), DTYPES[rows.dtype], rows.stride(0),
+        k_rows.data_ptr(), v_rows.data_ptr(), batch, s_q, h_q, h_kv, head_dim, width,
+        exact_width, exact_len.data_ptr(), slot_chunks.data_ptr(), slot_chunks.shape[-1],
+        chunk_size, gen_before.data_ptr(), scale, out.data_ptr(), DTYPES[out.dtype],
+        lse.data_ptr())
+    if failed:
+        raise MemoryError("decode_attention: scratch allocation failed")
+    return out, lse
+
+
+def supports_decode_attention(q: torch.Tensor, rows: torch.Tensor) -> bool:
+    """Whether ``decode_attention`` here takes these: CPU tensors of fp32, bf16 or fp16, rows
+    each one run of memory, and the library built."""
+    return (q.device.type == rows.device.type == "cpu" and q.dtype in DTYPES
+            and rows.dtype in DTYPES and rows.stride(-1) == 1 and library() is not None)
 
 
 def copy_rows(dst, index, src, src_index=None):

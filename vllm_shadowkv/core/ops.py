@@ -113,6 +113,15 @@ def rebuild_keys(a, a_rows, a_positions, a_start, b, slot_chunks, miss_slots, mi
         (_kernels("rebuild_kernels") if _use_triton(slot_k) else reconstruct).rebuild_keys(*args)
 
 
+def decode_attention(q, rows, k_rows, v_rows, exact_width, exact_len, slot_chunks, chunk_size,
+                     gen_before, scale):
+    """The CPU step's attention over its rows in place (the only caller is that step)."""
+    impl = (native if compiled_cpu(q) and native.supports_decode_attention(q, rows)
+            else attention)
+    return impl.decode_attention(q, rows, k_rows, v_rows, exact_width, exact_len, slot_chunks,
+                                 chunk_size, gen_before, scale)
+
+
 def scatter_values(staging, staging_start, miss_slots, miss_count, slot_v):
     impl = (_kernels("rebuild_kernels") if _use_triton(slot_v)
             else cpu_kernels if compiled_cpu(slot_v) else reconstruct)

@@ -12,6 +12,8 @@
 
 enum { F32 = 0, BF16 = 1, F16 = 2 };
 
+#define MAX_HEAD_DIM 512
+
 static inline size_t element_size(int dtype) { return dtype == F32 ? 4 : 2; }
 
 static inline void to_f32(const void *src, int dtype, int n, float *out) {
@@ -87,3 +89,74 @@ static inline void vnni_tiles(const uint16_t *src, int64_t stride, int k, int co
     }
 }
 #endif
+
+/* Where a request's dots go: logits[(h * nq + t) * n + i] = row i . query row t, of head h. */
+struct rows {
+    const char *base;
+    const int64_t *ids;
+    int64_t row_bytes, head_bytes;
+    int n, h_kv, d;
+};
+
+#if defined(__AVX512BF16__)
+/* The four vectors' sums, one per lane: transposing adds (a horizontal sum each would cost
+ * twice the instructions). */
+static inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
+    __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+    __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+    __m512 x = _mm512_add_ps(_mm512_shuffle_ps(ab, cd, 0x44), _mm512_shuffle_ps(ab, cd, 0xEE));
+    x = _mm512_add_ps(x, _mm512_shuffle_f32x4(x, x, 0x4E));
+    x = _mm512_add_ps(x, _mm512_shuffle_f32x4(x, x, 0xB1));
+    return _mm512_castps512_ps128(x);
+}
+
+static inline __m512bh load_bf16(const uint16_t *src, int v, int nv, __mmask32 tail) {
+    return (__m512bh)_mm512_maskz_loadu_epi16(v == nv - 1 ? tail : ~0u, src + 32 * v);
+}
+
+/* Rows [i0, i1), each over all its heads, by AVX512-BF16; nv = d / 32 rounded up, a constant
+ * where inlined from bf16_dots (the row then stays in registers). */
+static inline __attribute__((always_inline)) void bf16_dots_nv(
+    const struct rows *r, const void *const *queries, int nq, float *logits, int i0, int i1,
+    const int nv) {
+    const __mmask32 tail = r->d % 32 ? (1u << r->d % 32) - 1 : ~0u;
+    for (int i = i0; i < i1; i++)
+        for (int h = 0; h < r->h_kv; h++) {
+            const uint16_t *row = (const uint16_t *)(r->base + r->ids[i] * r->row_bytes +
+                                                     h * r->head_bytes);
+            __m512bh rv[MAX_HEAD_DIM / 32];
+            for (int v = 0; v < nv; v++) rv[v] = load_bf16(row, v, nv, tail);
+            const void *const *qh = queries + h * nq;
+            float *dots = logits + (int64_t)h * nq * r->n + i;  /* query row t at t * n */
+            int t = 0;
+            for (; t + 4 <= nq; t += 4) {
+                __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+                for (int v = 0; v < nv; v++) {
+                    a0 = _mm512_dpbf16_ps(a0, rv[v], load_bf16(qh[t], v, nv, tail));
+                    a1 = _mm512_dpbf16_ps(a1, rv[v], load_bf16(qh[t + 1], v, nv, tail));
+                    a2 = _mm512_dpbf16_ps(a2, rv[v], load_bf16(qh[t + 2], v, nv, tail));
+                    a3 = _mm512_dpbf16_ps(a3, rv[v], load_bf16(qh[t + 3], v, nv, tail));
+                }
+                float four[4];
+                _mm_storeu_ps(four, sum4(a0, a1, a2, a3));
+                for (int u = 0; u < 4; u++) dots[(int64_t)(t + u) * r->n] = four[u];
+            }
+            for (; t < nq; t++) {
+                __m512 acc = _mm512_setzero_ps();
+                for (int v = 0; v < nv; v++)
+                    acc = _mm512_dpbf16_ps(acc, rv[v], load_bf16(qh[t], v, nv, tail));
+                dots[(int64_t)t * r->n] = _mm512_reduce_add_ps(acc);
+            }
+        }
+}
+
+static inline void bf16_dots(const struct rows *r, const void *const *queries, int nq, float *logits,
+                      int i0, int i1) {
+    switch ((r->d + 31) / 32) {  /* the common head sizes, 64 and 128 */
+    case 2: bf16_dots_nv(r, queries, nq, logits, i0, i1, 2); return;
+    case 4: bf16_dots_nv(r, queries, nq, logits, i0, i1, 4); return;
+    default: bf16_dots_nv(r, queries, nq, logits, i0, i1, (r->d + 31) / 32);
+    }
+}
+#endif
+

@@ -114,6 +114,7 @@ class ShadowKVMethod(KVMethod):
         # back with the step's one copy to the host.
         heads, k_sel = self.shapes.num_kv_heads, self.params.select_chunks
         row_bytes = self.settings.chunk_size * self.shapes.head_size * self.shapes.elem_bytes
+        gen_kv = None
         for i, req in enumerate(reqs):
             stats = layer.stats(req.req_id)
             selected = heads * min(k_sel, self._plans[req.req_id].num_landmarks)
@@ -124,9 +125,10 @@ class ShadowKVMethod(KVMethod):
             reference = layer.reference_kv.get((req.req_id, layer.index))
             if reference is not None:
                 gen = slice(0, step.counts[i] + s_q)  # the step's tokens included
+                gen_kv = gen_kv or batch.generated()
                 self._record_fidelity(layer, req, reference, outliers[i],
-                                      batch.slot_chunks[i], batch.gen_k[i, :, gen],
-                                      batch.gen_v[i, :, gen], q[i], result[i], stats)
+                                      batch.slot_chunks[i], gen_kv[0][i, :, gen],
+                                      gen_kv[1][i, :, gen], q[i], result[i], stats)
 
     # -- where a batch's data is ----------------------------------------------------------------
     def _plan(self, layer: LayerContext, req: RequestRows) -> RequestPlan:

@@ -1,0 +1,172 @@
+/* The sparse decode step's exact attention, over K/V rows read in place through their row ids
+ * (native.py; the torch reference is attention.decode_attention_reference).
+ *
+ * For request b and KV head h the attended keys are, in order: the exact region (E rows, the
+ * first exact_len[b] valid), the slots (k chunks of c rows, a chunk valid when its slot holds
+ * one) and the generated tokens (the step's own last: query token t sees the first
+ * gen_before[b] + t + 1). The group's query heads and the step's tokens are the query rows of
+ * their KV head, so each key row is read once for all of them. Online softmax over blocks of
+ * rows with fp32 sums: no gather of the rows, no mask, no score matrix, and invisible rows are
+ * never read. bf16 keys and queries multiply as they are (AVX512-BF16 dot products, as the
+ * landmark scores); other dtypes are converted to fp32, and the values always are. */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "cpu.h"
+
+#define BLOCK 16 /* rows per online-softmax update */
+#define MAX_QUERY_ROWS 1024 /* h_q / h_kv x s_q */
+/* A finite "no score": -ffast-math assumes no infinities, so none are compared; exp of it
+ * minus any real score is 0. */
+#define NONE (-1e30f)
+
+struct layout {
+    int exact_width, slot_width, chunk;
+    int64_t exact_len, gen_before;
+    const int32_t *slot_chunks;  /* the head's k slots */
+};
+
+/* The first query token that sees row w (s_q or more: none). */
+static inline int64_t first_token(const struct layout *l, int w) {
+    if (w < l->exact_width) return w < l->exact_len ? 0 : INT32_MAX;
+    w -= l->exact_width;
+    if (w < l->slot_width) return l->slot_chunks[w / l->chunk] >= 0 ? 0 : INT32_MAX;
+    w -= l->slot_width;  /* generated token w: seen by the tokens t with w <= gen_before + t */
+    return w > l->gen_before ? w - l->gen_before : 0;
+}
+
+#if defined(__AVX512F__)
+/* acc[r][x0, x0 + 16 nv) += sum_i p[r * n + i] * vf[i][x0, ...): the sums stay in registers
+ * where nv is a constant (inlined). */
+static inline __attribute__((always_inline)) void add_values_nv(
+    float *acc, const float *p, const float *vf, int n, int nq, int d, int x0, const int nv) {
+    for (int r = 0; r < nq; r++) {
+        __m512 a[8];
+        for (int v = 0; v < nv; v++) a[v] = _mm512_loadu_ps(acc + r * d + x0 + 16 * v);
+        for (int i = 0; i < n; i++) {
+            const __m512 pi = _mm512_set1_ps(p[r * n + i]);
+            for (int v = 0; v < nv; v++)
+                a[v] = _mm512_fmadd_ps(pi, _mm512_loadu_ps(vf + i * d + x0 + 16 * v), a[v]);
+        }
+        for (int v = 0; v < nv; v++) _mm512_storeu_ps(acc + r * d + x0 + 16 * v, a[v]);
+    }
+}
+#endif
+
+/* acc[r] += sum_i p[r * n + i] * vf[i], for the nq query rows; vf: n rows of d fp32. */
+static void add_values(float *acc, const float *p, const float *vf, int n, int nq, int d) {
+    int x0 = 0;
+#if defined(__AVX512F__)
+    for (; x0 + 128 <= d; x0 += 128) add_values_nv(acc, p, vf, n, nq, d, x0, 8);
+    for (; x0 + 64 <= d; x0 += 64) add_values_nv(acc, p, vf, n, nq, d, x0, 4);
+    for (; x0 + 16 <= d; x0 += 16) add_values_nv(acc, p, vf, n, nq, d, x0, 1);
+#endif
+    for (int r = 0; r < nq; r++)
+        for (int i = 0; i < n; i++)
+            for (int x = x0; x < d; x++) acc[r * d + x] += p[r * n + i] * vf[i * d + x];
+}
+
+/* q: [B, s_q, h_q, d] contiguous. rows: the pages as rows of row_stride elements (unit stride
+ * over d). k_rows, v_rows: int64 [B, h_kv, width]. exact_len, gen_before: int64 [B];
+ * slot_chunks: int32 [B, h_kv, k]. out: [B, s_q, h_q, d] of out_dtype; lse: fp32 [B, s_q, h_q].
+ * Returns 0; 1 if d or h_q * s_q is over its maximum or a scratch allocation failed. */
+int decode_attention(const void *q, int q_dtype, const void *rows, int dtype, int64_t row_stride,
+                     const int64_t *k_rows, const int64_t *v_rows, int batch, int s_q, int h_q,
+                     int h_kv, int d, int width, int exact_width, const int64_t *exact_len,
+                     const int32_t *slot_chunks, int k, int chunk, const int64_t *gen_before,
+                     float scale, void *out, int out_dtype, float *lse) {
+    const int g = h_q / h_kv, nq = s_q * g;
+    if (d > MAX_HEAD_DIM || nq > MAX_QUERY_ROWS) return 1;
+    const int64_t row_bytes = row_stride * (int64_t)element_size(dtype);
+    const size_t q_bytes = element_size(q_dtype), o_bytes = element_size(out_dtype);
+    int dots16 = 0;  /* bf16 rows and queries: AVX512-BF16 dot products */
+#if defined(__AVX512BF16__)
+    dots16 = dtype == BF16 && q_dtype == BF16;
+#endif
+    float *qf = malloc(sizeof(float) * nq * d), *acc = malloc(sizeof(float) * nq * d),
+          *kvf = malloc(sizeof(float) * BLOCK * d), *p = malloc(sizeof(float) * nq * BLOCK),
+          *m = malloc(sizeof(float) * nq), *l_sum = malloc(sizeof(float) * nq);
+    int status = !(qf && acc && kvf && p && m && l_sum);
+    for (int b = 0; b < batch && !status; b++)
+        for (int h = 0; h < h_kv; h++) {
+            const struct layout l = {exact_width, k * chunk, chunk, exact_len[b], gen_before[b],
+                                     slot_chunks + ((int64_t)b * h_kv + h) * k};
+            const int64_t *kr = k_rows + ((int64_t)b * h_kv + h) * width,
+                          *vr = v_rows + ((int64_t)b * h_kv + h) * width;
+            /* query row t * g + j: token t, group member j (query head h * g + j) */
+            const void *queries[MAX_QUERY_ROWS];
+            for (int t = 0; t < s_q; t++)
+                for (int j = 0; j < g; j++) {
+                    const int64_t at = ((int64_t)b * s_q + t) * h_q + h * g + j;
+                    queries[t * g + j] = (const char *)q + at * d * q_bytes;
+                    if (!dots16) to_f32(queries[t * g + j], q_dtype, d, qf + (t * g + j) * d);
+                }
+            for (int r = 0; r < nq; r++) m[r] = NONE, l_sum[r] = 0.f;
+            for (int64_t x = 0; x < (int64_t)nq * d; x++) acc[x] = 0.f;
+            int w = 0;
+            while (w < width) {
+                int64_t key_ids[BLOCK], value_ids[BLOCK], firsts[BLOCK];
+                int64_t seen_from = s_q;  /* the first token seeing any row of the block */
+                int n = 0;
+                for (; w < width && n < BLOCK; w++) {
+                    const int64_t first = first_token(&l, w);
+                    if (first >= s_q) continue;
+                    key_ids[n] = kr[w], value_ids[n] = vr[w], firsts[n++] = first;
+                    seen_from = first < seen_from ? first : seen_from;
+                }
+                if (n == 0) break;
+                for (int i = 0; i < n; i++)  /* the block's values arrive while keys are used */
+                    for (int64_t line = 0; line < d * (int64_t)element_size(dtype); line += 64)
+                        __builtin_prefetch((const char *)rows + value_ids[i] * row_bytes + line);
+                if (dots16) {
+#if defined(__AVX512BF16__)
+                    const struct rows block = {rows, key_ids, row_bytes, 0, n, 1, d};
+                    bf16_dots(&block, queries, nq, p, 0, n);
+#endif
+                } else {
+                    for (int i = 0; i < n; i++)
+                        to_f32((const char *)rows + key_ids[i] * row_bytes, dtype, d,
+                               kvf + i * d);
+                    for (int r = 0; r < nq; r++)
+                        for (int i = 0; i < n; i++) {
+                            float dot = 0.f;
+                            for (int x = 0; x < d; x++) dot += qf[r * d + x] * kvf[i * d + x];
+                            p[r * n + i] = dot;
+                        }
+                }
+                for (int r = 0; r < nq; r++) {
+                    const int t = r / g;
+                    float *pr = p + r * n, top = NONE;
+                    if (t < seen_from) {  /* no row of the block for this token */
+                        for (int i = 0; i < n; i++) pr[i] = 0.f;
+                        continue;
+                    }
+                    for (int i = 0; i < n; i++) {
+                        pr[i] = t >= firsts[i] ? pr[i] * scale : NONE;
+                        top = pr[i] > top ? pr[i] : top;
+                    }
+                    const float new_max = top > m[r] ? top : m[r];
+                    const float rescale = expf(m[r] - new_max);
+                    float total = 0.f;
+                    for (int i = 0; i < n; i++) total += pr[i] = expf(pr[i] - new_max);
+                    l_sum[r] = l_sum[r] * rescale + total;
+                    m[r] = new_max;
+                    if (rescale != 1.f)
+                        for (int x = 0; x < d; x++) acc[r * d + x] *= rescale;
+                }
+                for (int i = 0; i < n; i++)
+                    to_f32((const char *)rows + value_ids[i] * row_bytes, dtype, d, kvf + i * d);
+                add_values(acc, p, kvf, n, nq, d);
+            }
+            for (int r = 0; r < nq; r++) {
+                const int64_t at = ((int64_t)b * s_q + r / g) * h_q + h * g + r % g;
+                const float inv = l_sum[r] > 0.f ? 1.f / l_sum[r] : 0.f;
+                for (int x = 0; x < d; x++) acc[r * d + x] *= inv;
+                from_f32(acc + r * d, d, out_dtype, (char *)out + at * d * o_bytes);
+                lse[at] = l_sum[r] > 0.f ? m[r] + logf(l_sum[r]) : -INFINITY;
+            }
+        }
+    free(qf), free(acc), free(kvf), free(p), free(m), free(l_sum);
+    return status;
+}
