@@ -175,6 +175,50 @@ def test_select_chunks(k, ties, kernel_device):
     _check_selection(want, scores, counts, k)
 
 
+@needs_native
+@pytest.mark.parametrize("k", [1, 16, 64, 300])
+def test_select_slots(k):
+    """The C selection and slot assignment against select_chunks + assign_slots over a few
+    steps of drifting scores (hits kept in place, misses in order of score into the freed
+    slots, evicted slots emptied): ragged landmark counts, one request with none, chunk ids
+    that are not the landmark indices; distinct scores, so the top-k is one set."""
+    h_kv, max_n = 3, max(COUNTS)
+    counts = torch.tensor(COUNTS, dtype=torch.int32)
+    starts = torch.tensor([0] + COUNTS[:-1], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    chunks = torch.stack([torch.randperm(3 * sum(COUNTS))[:sum(COUNTS)] for _ in range(h_kv)],
+                         1).to(torch.int32)
+    valid = torch.arange(max_n) < counts.view(-1, 1, 1)
+    scores = torch.rand(len(COUNTS), h_kv, max_n)
+    slots = torch.full((len(COUNTS), h_kv, k), -1, dtype=torch.int32)
+    for _ in range(4):
+        scores = torch.where(valid, scores, -1.0)
+        assert native.supports_select(scores)
+        got = native.select_slots(scores, chunks, starts, counts, k, slots)
+        want = select.select_slots(scores, chunks, starts, counts, k, slots)
+        for g, w in zip(got, want):
+            assert torch.equal(g, w)
+        slots, scores = want[0], scores + 0.3 * torch.rand_like(scores)
+
+
+@needs_native
+def test_select_slots_among_ties_takes_a_best_set():
+    """Equal scores (softmax underflow gives exact zeros in long contexts): the selected chunks'
+    scores are the k best, whichever of the equal ones they are."""
+    k, h_kv, max_n = 16, 3, max(COUNTS)
+    counts = torch.tensor(COUNTS, dtype=torch.int32)
+    starts = torch.arange(len(COUNTS), dtype=torch.int32) * max_n
+    scores = torch.randint(0, 3, (len(COUNTS), h_kv, max_n)).float() / 4
+    scores = torch.where(torch.arange(max_n) < counts.view(-1, 1, 1), scores, -1.0)
+    chunks = torch.arange(max_n).repeat(len(COUNTS)).view(-1, 1).expand(-1, h_kv)
+    empty = torch.full((len(COUNTS), h_kv, k), -1, dtype=torch.int32)
+    slots, miss_slots, miss_count = native.select_slots(scores, chunks, starts, counts, k, empty)
+    assert torch.equal(miss_count, counts.clamp(max=k).view(-1, 1).expand(-1, h_kv).int())
+    filled = torch.arange(k, dtype=torch.int32) < miss_count.unsqueeze(-1)  # slots in order
+    assert torch.equal(miss_slots, torch.where(filled, torch.arange(k, dtype=torch.int32), -1))
+    assert torch.equal(slots >= 0, filled)
+    _check_selection(slots, scores, counts, k)
+
+
 def _miss_setup(batch, h_kv, k, n_chunks, device):
     """Random resident chunks (distinct per row) and a ragged miss list per (request, head)."""
     slot_chunks = torch.stack([torch.stack([torch.randperm(n_chunks[b])[:k] for _ in range(h_kv)])

@@ -7,7 +7,7 @@ padded [B, h_kv, ...] tensors. Each `decode_step`:
   1. appends the step's keys/values to the exact generated-token region;
   2. scores the landmarks, takes the top-k chunks per KV head (k = sparse_budget // chunk_size,
      at most the request's landmark count);
-  3. keeps hits in their slots, gives misses the freed slots (`assign_slots`);
+  3. keeps hits in their slots, gives misses the freed slots (`ops.select_slots`);
   4. rebuilds the missed keys (A rows x B, RoPE at their true positions) and, overlapping that
      on CUDA, copies the missed values from the value store on a copy stream (transfer.py);
   5. attends exactly the exact region (outliers + local window), the slots and the generated
@@ -32,7 +32,7 @@ from .attention import attention_with_lse, merge_attention
 from .compress import CompressedPrompt
 from .params import ShadowKVParams
 from .rope import RopeCache
-from .select import assign_slots, sink_recent_scores
+from .select import sink_recent_scores
 from .store import ValueStore
 
 
@@ -184,9 +184,9 @@ class DecodeBatch:
             scores = ops.landmark_scores(q, self.landmarks, self.lm_rows, self.lm_start,
                                          self.lm_count, self.max_landmarks,
                                          1.0 / math.sqrt(q.shape[-1]))
-        selected = ops.select_chunks(scores, self.landmark_chunks, self.lm_start, self.lm_count,
-                                     self.params.select_chunks)
-        self.slot_chunks, miss_slots, miss_count = assign_slots(self.slot_chunks, selected)
+        self.slot_chunks, miss_slots, miss_count = ops.select_slots(
+            scores, self.landmark_chunks, self.lm_start, self.lm_count, self.params.select_chunks,
+            self.slot_chunks)
         # The host needs the missed rows before the rebuild is queued: reading them after would
         # wait for the rebuild. Then, on CUDA, the rebuild runs while the host gathers the
         # values and the copy stream moves them.

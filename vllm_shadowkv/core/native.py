@@ -102,6 +102,8 @@ def library() -> ctypes.CDLL | None:
     lib.decode_attention.argtypes = [_ptr, _i32, _ptr, _i32, _i64, _ptr, _ptr, _i32, _i32, _i32,
                                      _i32, _i32, _i32, _i32, _ptr, _ptr, _i32, _i32, _ptr,
                                      ctypes.c_float, _ptr, _i32, _ptr]
+    lib.select_slots.restype = ctypes.c_int
+    lib.select_slots.argtypes = [_ptr, _i32, _ptr, _ptr, _ptr, _i32, _i32, _i32, _ptr, _ptr, _ptr]
     lib.copy_rows.restype = None
     lib.copy_rows.argtypes = [_ptr, _i32, _i64, _ptr, _i64, _ptr, _i32, _i64, _ptr, _i64]
     return lib
@@ -184,6 +186,28 @@ def supports_rebuild(a: torch.Tensor, b: torch.Tensor, rope, slot_k: torch.Tenso
     tensors = (a, b, rope.cos_sin_cache, slot_k)
     return (all(t.device.type == "cpu" and t.dtype in DTYPES for t in tensors)
             and rope.rotary_dim <= MAX_HEAD_DIM and library() is not None)
+
+
+def select_slots(scores, landmark_chunks, lm_start, lm_count, k, slot_chunks):
+    """select.select_slots in one C call for the whole batch (``csrc/select_slots.c``), for
+    what ``supports_select`` accepts. Among equal scores the lower landmark wins."""
+    batch, h_kv, max_count = scores.shape
+    scores, chunks = scores.float().contiguous(), _int32(landmark_chunks)
+    starts, counts = _int32(lm_start), _int32(lm_count)
+    slots = slot_chunks.to(torch.int32, copy=True).contiguous()
+    miss_slots = torch.empty(batch, h_kv, k, dtype=torch.int32)
+    miss_count = torch.empty(batch, h_kv, dtype=torch.int32)
+    failed = library().select_slots(
+        scores.data_ptr(), max_count, chunks.data_ptr(), starts.data_ptr(), counts.data_ptr(),
+        batch, h_kv, k, slots.data_ptr(), miss_slots.data_ptr(), miss_count.data_ptr())
+    if failed:
+        raise MemoryError("select_slots: scratch allocation failed")
+    return slots, miss_slots, miss_count
+
+
+def supports_select(scores: torch.Tensor) -> bool:
+    """Whether ``select_slots`` here takes these: CPU scores, and the library built."""
+    return scores.device.type == "cpu" and library() is not None
 
 
 def decode_attention(q, rows, k_rows, v_rows, exact_width, exact_len, slot_chunks, chunk_size,

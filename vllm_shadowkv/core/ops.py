@@ -88,6 +88,15 @@ def select_chunks(scores, landmark_chunks, lm_start, lm_count, k):
     return impl.select_chunks(scores, landmark_chunks, lm_start, lm_count, k)
 
 
+def select_slots(scores, landmark_chunks, lm_start, lm_count, k, slot_chunks):
+    """The step's selection and slot assignment: one C call on the CPU, the top-k kernel and
+    ``assign_slots`` elsewhere."""
+    if compiled_cpu(scores) and native.supports_select(scores):
+        return native.select_slots(scores, landmark_chunks, lm_start, lm_count, k, slot_chunks)
+    selected = select_chunks(scores, landmark_chunks, lm_start, lm_count, k)
+    return select.assign_slots(slot_chunks, selected)
+
+
 def channel_scores(q, keys_cm, channels, key_start, prompt_len, sink, recent, max_len):
     """Over channel rows gathered out of the host store (the CPU's path; the Triton path reads
     them in place, `channel_scores_paged`)."""

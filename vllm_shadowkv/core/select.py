@@ -108,3 +108,17 @@ def assign_slots(
     new_slots = torch.where(keep, slot_chunks, new_slots)
     miss_slots = torch.where(used, free_slots, -1)
     return new_slots.to(torch.int32), miss_slots.to(torch.int32), miss_count.to(torch.int32)
+
+
+def select_slots(
+    scores: torch.Tensor,
+    landmark_chunks: torch.Tensor,
+    lm_start: torch.Tensor,
+    lm_count: torch.Tensor,
+    k: int,
+    slot_chunks: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`select_chunks` then `assign_slots`: a step's selection and refill plan, with the
+    selected chunks taking the free slots in order of score (reference of
+    native.select_slots)."""
+    return assign_slots(slot_chunks, select_chunks(scores, landmark_chunks, lm_start, lm_count, k))
