@@ -6,6 +6,7 @@ import random
 import pytest
 import torch
 
+from vllm_shadowkv.core import native, ops
 from vllm_shadowkv.core.compress import compress_prompt
 from vllm_shadowkv.core.decode import DecodeBatch, decode_step
 from vllm_shadowkv.core.params import ShadowKVParams
@@ -14,6 +15,15 @@ from vllm_shadowkv.core.store import InMemoryValueStore
 from vllm_shadowkv.store import CpuValueStore, ValueStoreFull
 
 C, D = 8, 16
+
+
+@pytest.fixture(autouse=True, params=["c", "torch"])
+def gather_path(request):
+    """Every test with the C gather (where the kernels build) and with the torch one."""
+    if request.param == "c" and native.library() is None:
+        pytest.skip("the C gather needs a compiler")
+    with ops.kernel_mode("auto" if request.param == "c" else "torch"):
+        yield request.param
 
 
 def make_store(capacity_bytes=1 << 24, dtype=torch.float32, page_rows=16):
@@ -131,6 +141,23 @@ def test_gather_many_into_given_rows(dtype):
     for s in (store, reference):
         assert torch.equal(s.gather_many(keys, heads, chunks, counts, flat.clone(), token_rows),
                            expected)
+
+
+def test_a_bad_row_or_destination_changes_nothing(gather_path):
+    """A wanted row its key does not hold, or a destination outside ``out``: an error naming
+    it, and no row of ``out`` written (rows are checked before any is copied)."""
+    store = make_store(page_rows=4)
+    store.put("a", values(2, 9)), store.put("b", values(3, 5))
+    out = torch.zeros(6, C, D)
+    with pytest.raises(IndexError, match=r"'b' holds 3 heads x 5 rows; asked for head 1, row 5"):
+        store.gather_many(["a", "b"], torch.tensor([1, 0, 1]), torch.tensor([8, 4, 5]), [1, 2],
+                          out)
+    assert (out == 0).all()
+    if gather_path == "c":  # (torch's own indexing refuses it in the other path)
+        with pytest.raises(IndexError, match="destination row"):
+            store.gather_many(["a"], torch.tensor([1, 0]), torch.tensor([8, 4]), [2], out,
+                              torch.tensor([2, 6]))
+        assert (out == 0).all()
 
 
 def test_put_accepts_a_permuted_view_and_empty_gathers():

@@ -104,6 +104,9 @@ def library() -> ctypes.CDLL | None:
                                      ctypes.c_float, _ptr, _i32, _ptr]
     lib.select_slots.restype = ctypes.c_int
     lib.select_slots.argtypes = [_ptr, _i32, _ptr, _ptr, _ptr, _i32, _i32, _i32, _ptr, _ptr, _ptr]
+    lib.gather_store_rows.restype = ctypes.c_int64
+    lib.gather_store_rows.argtypes = [_ptr, _i32, _i64, _i64, _ptr, _i32, _ptr, _i32, _ptr, _ptr, _ptr,
+                                      _ptr, _ptr, _i32, _i64, _i64, _ptr, _ptr, _i64]
     lib.copy_rows.restype = None
     lib.copy_rows.argtypes = [_ptr, _i32, _i64, _ptr, _i64, _ptr, _i32, _i64, _ptr, _i64]
     return lib
@@ -259,6 +262,38 @@ def supports_copy(dst: torch.Tensor, src: torch.Tensor) -> bool:
     return (dst.device.type == src.device.type == "cpu" and dst.dtype in DTYPES
             and src.dtype in DTYPES and dst.shape[1:].numel() == src.shape[1:].numel()
             and _rows_contiguous(dst) and _rows_contiguous(src) and library() is not None)
+
+
+def gather_store_rows(out, out_rows, pool, tables, counts, heads, chunks, page_rows, row_numel):
+    """The value store's gather in one C call (``csrc/store_rows.c``; the reference is
+    CpuValueStore.gather_many's torch path), for what ``supports_store_gather`` accepts.
+    ``tables``: the keys' page offsets (elements from ``pool``'s first), first page, heads and
+    rows, int64 each. -> None, or the first wanted row its key does not hold (nothing copied)."""
+    split = out_rows.shape[1] if out_rows is not None and out_rows.dim() == 2 else 1
+    dest = None if out_rows is None else _int64(out_rows)
+    counts = torch.tensor(counts, dtype=torch.int64)
+    heads, chunks = _int64(heads), _int64(chunks)
+    bad = library().gather_store_rows(
+        out.data_ptr(), DTYPES[out.dtype], out.stride(0), len(out),
+        None if dest is None else dest.data_ptr(), split, pool.data_ptr(), DTYPES[pool.dtype], *(t.data_ptr() for t in tables),
+        counts.data_ptr(), len(counts), page_rows, row_numel, heads.data_ptr(),
+        chunks.data_ptr(), heads.numel())
+    if bad == -2:
+        raise IndexError(f"value store: a destination row is outside out's {len(out)} rows")
+    if bad < 0:
+        raise MemoryError("gather_store_rows: scratch allocation failed")
+    return bad - 1 if bad else None
+
+
+def supports_store_gather(out: torch.Tensor, out_rows: torch.Tensor | None, pool: torch.Tensor,
+                          row_numel: int) -> bool:
+    """Whether ``gather_store_rows`` here takes these: CPU tensors of fp32, bf16 or fp16, out's
+    rows each one run of memory and as wide as a stored row (or, with ``out_rows`` [n, c], a
+    c-th of one), and the library built."""
+    split = out_rows.shape[1] if out_rows is not None and out_rows.dim() == 2 else 1
+    return (out.device.type == pool.device.type == "cpu" and out.dtype in DTYPES
+            and pool.dtype in DTYPES and len(out) > 0 and out[0].numel() * split == row_numel
+            and _rows_contiguous(out) and library() is not None)
 
 
 def _rows_contiguous(t: torch.Tensor) -> bool:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm_shadowkv.core import ops
+from vllm_shadowkv.core import native, ops
 
 _MAX_EXTENT_BYTES = 1 << 30
 
@@ -74,6 +74,7 @@ class CpuValueStore:
         self._page_base: list[int] = []
         self._free: list[int] = []
         self._entries: dict[Hashable, _Entry] = {}
+        self._table_cache: dict[tuple[Hashable, ...], tuple[torch.Tensor, ...]] = {}
         self.bytes_put = 0  # cumulative, for metrics
         self.bytes_fetched = 0
 
@@ -131,6 +132,7 @@ class CpuValueStore:
                                                  entry.extents, torch.arange(len(rows))):
             extent.index_copy_(0, local, rows if at is None else rows[at])
         self._entries[key] = entry
+        self._table_cache.clear()
         self.bytes_put += values.numel() * values.element_size()
 
     def gather(self, key: Hashable, heads: torch.Tensor, chunks: torch.Tensor) -> torch.Tensor:
@@ -145,29 +147,32 @@ class CpuValueStore:
         next counts[i] of (heads, chunks) (a key with none need not be stored). Row i goes to
         out[i], or to out[out_rows[i]]: the CPU decode step gathers straight into its slots,
         with no staging copy; with ``out_rows`` [n, c] (``out`` [M, d]) each of a row's c token
-        rows goes where its own row id says. One index_select (or ``copy_rows``) per extent the
-        rows touch, whatever the number of keys (on CUDA `out` is the decode step's pinned
-        staging buffer, which the core then copies on its copy stream)."""
+        rows goes where its own row id says. One C call for all keys where the kernels are built
+        (``native.gather_store_rows``, through page tables cached per set of keys), else one
+        index_select (or ``copy_rows``) per extent the rows touch, whatever the number of keys
+        (on CUDA `out` is the decode step's pinned staging buffer, which the core then copies
+        on its copy stream)."""
         stored = [(k, n) for k, n in zip(keys, counts) if n]
         if not stored:
             return out
         keys, counts = zip(*stored)
         entries = [self._entry(key) for key in keys]
         heads, chunks = heads.cpu().long(), chunks.cpu().long()
-        per_row = torch.tensor(counts)
+        row_numel = math.prod(self.row_shape)
+        if ops.compiled_cpu(out) and native.supports_store_gather(out, out_rows, self._extents[0],
+                                                                  row_numel):
+            bad = native.gather_store_rows(out, out_rows, self._extents[0], self._tables(keys),
+                                           counts, heads, chunks, self.page_rows, row_numel)
+            if bad is not None:
+                self._check_rows(keys, entries, heads, chunks, counts)  # raises
+            self.bytes_fetched += len(heads) * row_numel * out.element_size()
+            return out
+        per_row = self._check_rows(keys, entries, heads, chunks, counts)
 
         def each_row(values: list[int]) -> torch.Tensor:
             return torch.tensor(values).repeat_interleave(per_row)
 
-        num_heads = each_row([e.num_heads for e in entries])
         num_rows = each_row([e.num_rows for e in entries])
-        bad = (heads < 0) | (heads >= num_heads) | (chunks < 0) | (chunks >= num_rows)
-        if bad.any():
-            i = int(bad.nonzero()[0])
-            key = keys[int(torch.searchsorted(per_row.cumsum(0), i, right=True))]
-            raise IndexError(f"value store: key {key!r} holds {int(num_heads[i])} heads x "
-                             f"{int(num_rows[i])} rows; asked for head {int(heads[i])}, "
-                             f"row {int(chunks[i])}")
         # Each key's pages follow the previous keys' in one table.
         first_page = each_row(list(itertools.accumulate([len(e.pages) for e in entries[:-1]],
                                                         initial=0)))
@@ -196,7 +201,7 @@ class CpuValueStore:
                 torch.index_select(extent, 0, local, out=out[first: last + 1])
             else:
                 out[at] = extent.index_select(0, local)
-        self.bytes_fetched += len(heads) * math.prod(self.row_shape) * out.element_size()
+        self.bytes_fetched += len(heads) * row_numel * out.element_size()
         return out
 
     @property
@@ -218,6 +223,35 @@ class CpuValueStore:
         row_numel = math.prod(self.row_shape)
         return extent_offset[entry.page_extent] + entry.page_base * row_numel
 
+    def _check_rows(self, keys, entries, heads, chunks, counts) -> torch.Tensor:
+        """Raise IndexError for the first wanted row its key does not hold; -> counts, a
+        tensor."""
+        per_row = torch.tensor(counts)
+        num_heads, num_rows = (torch.tensor(values).repeat_interleave(per_row) for values in
+                               ([e.num_heads for e in entries], [e.num_rows for e in entries]))
+        bad = (heads < 0) | (heads >= num_heads) | (chunks < 0) | (chunks >= num_rows)
+        if bad.any():
+            i = int(bad.nonzero()[0])
+            key = keys[int(torch.searchsorted(per_row.cumsum(0), i, right=True))]
+            raise IndexError(f"value store: key {key!r} holds {int(num_heads[i])} heads x "
+                             f"{int(num_rows[i])} rows; asked for head {int(heads[i])}, "
+                             f"row {int(chunks[i])}")
+        return per_row
+
+    def _tables(self, keys: tuple[Hashable, ...]) -> tuple[torch.Tensor, ...]:
+        """The keys' page tables for the C gather: page offsets (``page_offsets``, one table),
+        first page, heads and rows of each key, int64. Cached per set of keys (a batch's, the
+        same every step) until the next put or free."""
+        tables = self._table_cache.get(keys)
+        if tables is None:
+            entries = [self._entry(key) for key in keys]
+            first_page = itertools.accumulate([len(e.pages) for e in entries[:-1]], initial=0)
+            tables = self._table_cache[keys] = (
+                torch.cat([self.page_offsets(key) for key in keys]),
+                torch.tensor(list(first_page)), torch.tensor([e.num_heads for e in entries]),
+                torch.tensor([e.num_rows for e in entries]))
+        return tables
+
     def _entry(self, key: Hashable) -> _Entry:
         entry = self._entries.get(key)
         if entry is None:
@@ -229,6 +263,7 @@ class CpuValueStore:
         entry = self._entries.pop(key, None)
         if entry is not None:
             self._free.extend(entry.pages)
+            self._table_cache.clear()
 
     def clear(self) -> None:
         """Free every key. The extents stay allocated for reuse."""

@@ -24,12 +24,7 @@ void copy_rows(void *dst, int dst_dtype, int64_t dst_stride, const int64_t *inde
         }
         const char *from = (const char *)src + (src_index ? src_index[i] : i) * src_bytes;
         char *to = (char *)dst + index[i] * dst_bytes;
-        if (row) {
-            to_f32(from, src_dtype, (int)width, row);
-            from_f32(row, (int)width, dst_dtype, to);
-        } else {
-            memcpy(to, from, (size_t)width * src_size);
-        }
+        copy_row(to, dst_dtype, from, src_dtype, width, row);
     }
     free(row);
 }

@@ -48,6 +48,17 @@ static inline void from_f32(const float *src, int n, int dtype, void *out) {
     }
 }
 
+/* One row of `width` elements, converted through `scratch` (width floats) where dtypes differ. */
+static inline void copy_row(void *to, int dst_dtype, const void *from, int src_dtype,
+                            int64_t width, float *scratch) {
+    if (dst_dtype == src_dtype) {
+        memcpy(to, from, (size_t)width * element_size(src_dtype));
+    } else {
+        to_f32(from, src_dtype, (int)width, scratch);
+        from_f32(scratch, (int)width, dst_dtype, to);
+    }
+}
+
 #if defined(__AMX_BF16__)
 static inline int amx_usable(void) {
     static int state = -1;  /* the kernel must grant the process the tile data state */

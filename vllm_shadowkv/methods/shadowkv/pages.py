@@ -24,7 +24,7 @@ first and writes the changed slots back after.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -98,6 +98,9 @@ class BatchPlan:
     attended_v: torch.Tensor | None = None
     slot_k_rows: torch.Tensor | None = None  # [B, h, k, c] rows of each slot's tokens
     slot_v_rows: torch.Tensor | None = None
+    # Per layer cache (by its data pointer): the outlier ids [B, h, o] and each pooled
+    # landmark's chunk id [NL, h], fixed once the requests are compressed.
+    chunk_ids: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -322,8 +325,12 @@ class ShadowKVPages:
         params, h, d = self.settings.params, self.shapes.num_kv_heads, self.shapes.head_size
         batch, c, k = len(plan.req_ids), params.chunk_size, params.select_chunks
         ids = self.ids(kv_cache)
-        outliers = ids[plan.outliers].view(batch, h, -1)
-        landmark_chunks = _selectable_chunk_ids(outliers, plan)
+        cached = plan.chunk_ids.get(kv_cache.data_ptr())
+        if cached is None:
+            outliers = ids[plan.outliers].view(batch, h, -1)
+            cached = plan.chunk_ids[kv_cache.data_ptr()] = (
+                outliers, _selectable_chunk_ids(outliers, plan))
+        outliers, landmark_chunks = cached
         if isinstance(generated, torch.Tensor):
             state = dict.fromkeys(("exact_k", "exact_v", "slot_k", "slot_v", "gen_k", "gen_v"))
             state["in_place"] = InPlace(
