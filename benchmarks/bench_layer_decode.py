@@ -100,14 +100,15 @@ STAGES = (
     (ShadowKVPages, "load_batch", "B and ids from pages (exact region, slots: unless in place)"),
     (core_decode.DecodeBatch, "_append_generated", "append the step's K/V"),
     (core_ops, "landmark_scores", "score every selectable chunk's landmark"),
-    (core_ops, "select_chunks", "top-k chunks per KV head"),
-    (core_decode, "assign_slots", "hits keep their slot, misses get the freed ones"),
+    (core_ops, "select_slots", "top-k chunks per KV head; hits keep their slot, misses get the "
+                               "freed ones"),
     (core_decode.DecodeBatch, "_missed_rows", "the misses to the host (one copy)"),
     (core_ops, "rebuild_keys", "missed keys: A rows x B + RoPE"),
     (core_decode.DecodeBatch, "_fetch_values", "missed values gathered from the store"),
     (core_ops, "scatter_values", "missed values into their slots"),
     (CpuValueStore, "gather_many", "missed values from the store (into their slots)"),
-    (core_decode.InPlace, "attended", "gather exact region, slots, generated from pages"),
+    (core_ops, "decode_attention", "attention over the rows in place (exact region, slots, "
+                                   "generated)"),
     (core_decode, "attention_with_lse", "attention: exact region, generated, slots"),
     (core_decode, "merge_attention", "merge the three by log-sum-exp"),
     (ShadowKVPages, "store_slots", "write the refilled slots back to the pages"))

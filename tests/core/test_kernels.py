@@ -178,10 +178,11 @@ def test_select_chunks(k, ties, kernel_device):
 @needs_native
 @pytest.mark.parametrize("k", [1, 16, 64, 300])
 def test_select_slots(k):
-    """The C selection and slot assignment against select_chunks + assign_slots over a few
-    steps of drifting scores (hits kept in place, misses in order of score into the freed
-    slots, evicted slots emptied): ragged landmark counts, one request with none, chunk ids
-    that are not the landmark indices; distinct scores, so the top-k is one set."""
+    """The C selection and slot assignment against select_chunks + assign_slots, and the C
+    listing of the misses against list_misses, over a few steps of drifting scores (hits kept
+    in place, misses in order of score into the freed slots, evicted slots emptied): ragged
+    landmark counts, one request with none, chunk ids that are not the landmark indices;
+    distinct scores, so the top-k is one set."""
     h_kv, max_n = 3, max(COUNTS)
     counts = torch.tensor(COUNTS, dtype=torch.int32)
     starts = torch.tensor([0] + COUNTS[:-1], dtype=torch.int32).cumsum(0, dtype=torch.int32)
@@ -197,6 +198,9 @@ def test_select_slots(k):
         want = select.select_slots(scores, chunks, starts, counts, k, slots)
         for g, w in zip(got, want):
             assert torch.equal(g, w)
+        misses = native.list_misses(*want)  # the refill plan listed, as the value fetch reads it
+        for g, w in zip(misses, select.list_misses(*want)):
+            assert g == w if isinstance(w, list) else torch.equal(g, w)
         slots, scores = want[0], scores + 0.3 * torch.rand_like(scores)
 
 

@@ -158,15 +158,11 @@ class DecodeBatch:
 
     def _missed_rows(self, miss_slots, miss_count) -> tuple[torch.Tensor, torch.Tensor]:
         """(KV head, chunk id) of every missed slot on the host, (b, h, miss) in row-major
-        order. The step's one device-to-host copy (the layer's one host sync on CUDA); also
-        sets ``step_misses`` and ``step_filled``."""
-        _, h_kv, k = miss_slots.shape
-        chunks = self.slot_chunks.gather(-1, miss_slots.long().clamp_min(0))
-        count, slots, chunks = transfer.HostCopy([miss_count, miss_slots, chunks]).wait()
-        bi, hi, mi = (torch.arange(k) < count.unsqueeze(-1)).nonzero(as_tuple=True)
-        self.step_misses = count.sum(dim=-1).tolist()
-        self.step_filled = (bi * h_kv + hi) * k + slots[bi, hi, mi].long()
-        return hi, chunks[bi, hi, mi]
+        order (``ops.list_misses``: the layer's one host sync on CUDA); also sets
+        ``step_misses`` and ``step_filled``."""
+        heads, chunks, self.step_filled, self.step_misses = ops.list_misses(
+            self.slot_chunks, miss_slots, miss_count)
+        return heads, chunks
 
     def _fetch_values(self, heads, chunks, per_request, store: ValueStore) -> torch.Tensor:
         """The missed value rows of every request gathered on the host at once and copied to

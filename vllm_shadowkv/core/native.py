@@ -105,8 +105,10 @@ def library() -> ctypes.CDLL | None:
     lib.select_slots.restype = ctypes.c_int
     lib.select_slots.argtypes = [_ptr, _i32, _ptr, _ptr, _ptr, _i32, _i32, _i32, _ptr, _ptr, _ptr]
     lib.gather_store_rows.restype = ctypes.c_int64
-    lib.gather_store_rows.argtypes = [_ptr, _i32, _i64, _i64, _ptr, _i32, _ptr, _i32, _ptr, _ptr, _ptr,
-                                      _ptr, _ptr, _i32, _i64, _i64, _ptr, _ptr, _i64]
+    lib.gather_store_rows.argtypes = [_ptr, _i32, _i64, _i64, _ptr, _i32, _ptr, _i32, _ptr,
+                                      _ptr, _ptr, _ptr, _ptr, _i32, _i64, _i64, _ptr, _ptr, _i64]
+    lib.list_misses.restype = ctypes.c_int64
+    lib.list_misses.argtypes = [_ptr, _ptr, _ptr, _i32, _i32, _i32, _ptr, _ptr, _ptr, _ptr]
     lib.copy_rows.restype = None
     lib.copy_rows.argtypes = [_ptr, _i32, _i64, _ptr, _i64, _ptr, _i32, _i64, _ptr, _i64]
     return lib
@@ -208,6 +210,18 @@ def select_slots(scores, landmark_chunks, lm_start, lm_count, k, slot_chunks):
     return slots, miss_slots, miss_count
 
 
+def list_misses(slot_chunks, miss_slots, miss_count):
+    """select.list_misses in one C call (``csrc/select_slots.c``), for CPU tensors."""
+    batch, h_kv, k = miss_slots.shape
+    slot_chunks, miss_slots, miss_count = map(_int32, (slot_chunks, miss_slots, miss_count))
+    heads, chunks, filled = torch.empty(3, batch * h_kv * k, dtype=torch.int64)
+    per_request = torch.empty(batch, dtype=torch.int64)
+    n = library().list_misses(slot_chunks.data_ptr(), miss_slots.data_ptr(),
+                              miss_count.data_ptr(), batch, h_kv, k, heads.data_ptr(),
+                              chunks.data_ptr(), filled.data_ptr(), per_request.data_ptr())
+    return heads[:n], chunks[:n], filled[:n], per_request.tolist()
+
+
 def supports_select(scores: torch.Tensor) -> bool:
     """Whether ``select_slots`` here takes these: CPU scores, and the library built."""
     return scores.device.type == "cpu" and library() is not None
@@ -275,7 +289,8 @@ def gather_store_rows(out, out_rows, pool, tables, counts, heads, chunks, page_r
     heads, chunks = _int64(heads), _int64(chunks)
     bad = library().gather_store_rows(
         out.data_ptr(), DTYPES[out.dtype], out.stride(0), len(out),
-        None if dest is None else dest.data_ptr(), split, pool.data_ptr(), DTYPES[pool.dtype], *(t.data_ptr() for t in tables),
+        None if dest is None else dest.data_ptr(), split, pool.data_ptr(), DTYPES[pool.dtype],
+        *(t.data_ptr() for t in tables),
         counts.data_ptr(), len(counts), page_rows, row_numel, heads.data_ptr(),
         chunks.data_ptr(), heads.numel())
     if bad == -2:

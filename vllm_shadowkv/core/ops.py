@@ -97,6 +97,11 @@ def select_slots(scores, landmark_chunks, lm_start, lm_count, k, slot_chunks):
     return select.assign_slots(slot_chunks, selected)
 
 
+def list_misses(slot_chunks, miss_slots, miss_count):
+    impl = native if compiled_cpu(miss_slots) and native.supports_select(miss_slots) else select
+    return impl.list_misses(slot_chunks, miss_slots, miss_count)
+
+
 def channel_scores(q, keys_cm, channels, key_start, prompt_len, sink, recent, max_len):
     """Over channel rows gathered out of the host store (the CPU's path; the Triton path reads
     them in place, `channel_scores_paged`)."""

@@ -7,6 +7,8 @@ used on every device.
 
 import torch
 
+from . import transfer
+
 
 def landmark_scores(
     q: torch.Tensor,
@@ -122,3 +124,17 @@ def select_slots(
     selected chunks taking the free slots in order of score (reference of
     native.select_slots)."""
     return assign_slots(slot_chunks, select_chunks(scores, landmark_chunks, lm_start, lm_count, k))
+
+
+def list_misses(
+    slot_chunks: torch.Tensor, miss_slots: torch.Tensor, miss_count: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
+    """The step's misses on the host, in (b, h, miss) order: (KV head, chunk id, flat slot id
+    over [B, h_kv, k]) of each, int64, and each request's count. One device-to-host copy (the
+    layer's one host sync on CUDA). Reference of native.list_misses."""
+    _, h_kv, k = miss_slots.shape
+    chunks = slot_chunks.gather(-1, miss_slots.long().clamp_min(0))
+    count, slots, chunks = transfer.HostCopy([miss_count, miss_slots, chunks]).wait()
+    bi, hi, mi = (torch.arange(k) < count.unsqueeze(-1)).nonzero(as_tuple=True)
+    filled = (bi * h_kv + hi) * k + slots[bi, hi, mi].long()
+    return hi, chunks[bi, hi, mi].long(), filled, count.sum(dim=-1).tolist()

@@ -161,8 +161,8 @@ static inline __attribute__((always_inline)) void bf16_dots_nv(
         }
 }
 
-static inline void bf16_dots(const struct rows *r, const void *const *queries, int nq, float *logits,
-                      int i0, int i1) {
+static inline void bf16_dots(const struct rows *r, const void *const *queries, int nq,
+                             float *logits, int i0, int i1) {
     switch ((r->d + 31) / 32) {  /* the common head sizes, 64 and 128 */
     case 2: bf16_dots_nv(r, queries, nq, logits, i0, i1, 2); return;
     case 4: bf16_dots_nv(r, queries, nq, logits, i0, i1, 4); return;

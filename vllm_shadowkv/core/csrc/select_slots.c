@@ -99,3 +99,24 @@ int select_slots(const float *scores, int max_count, const int32_t *landmark_chu
     free(best), free(resident), free(missed), free(keep);
     return status;
 }
+
+/* The step's misses in (b, h, miss) order: the KV head, chunk and flat slot id (over
+ * [B, h_kv, k]) of each, int64, and each request's count. Returns their number. */
+int64_t list_misses(const int32_t *slot_chunks, const int32_t *miss_slots,
+                    const int32_t *miss_count, int batch, int h_kv, int k, int64_t *heads,
+                    int64_t *chunks, int64_t *filled, int64_t *per_request) {
+    int64_t n = 0;
+    for (int b = 0; b < batch; b++) {
+        const int64_t first = n;
+        for (int h = 0; h < h_kv; h++) {
+            const int64_t row = (int64_t)b * h_kv + h;
+            for (int m = 0; m < miss_count[row]; m++) {
+                const int32_t slot = miss_slots[row * k + m];
+                heads[n] = h, chunks[n] = slot_chunks[row * k + slot];
+                filled[n++] = row * k + slot;
+            }
+        }
+        per_request[b] = n - first;
+    }
+    return n;
+}

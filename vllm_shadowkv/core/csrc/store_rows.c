@@ -35,9 +35,10 @@ static inline int row_offset(const struct tables *t, int key, int64_t head, int6
  * (nothing copied), -2 if a destination row is outside dst (nothing copied), or -1 if a
  * scratch allocation failed. */
 int64_t gather_store_rows(void *dst, int dst_dtype, int64_t dst_stride, int64_t dst_len,
-                          const int64_t *dst_rows, int split, const void *pool, int src_dtype, const int64_t *page_offsets,
-                          const int64_t *first_page, const int64_t *num_heads,
-                          const int64_t *num_rows, const int64_t *counts, int n_keys,
+                          const int64_t *dst_rows, int split, const void *pool, int src_dtype,
+                          const int64_t *page_offsets, const int64_t *first_page,
+                          const int64_t *num_heads, const int64_t *num_rows,
+                          const int64_t *counts, int n_keys,
                           int64_t page_rows, int64_t row_numel, const int64_t *heads,
                           const int64_t *chunks, int64_t n) {
     const struct tables t = {page_offsets, first_page, num_heads, num_rows, counts, n_keys,
