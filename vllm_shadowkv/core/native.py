@@ -38,8 +38,8 @@ SOURCES = sorted(CSRC.glob("*.c"))
 FLAGS = ["-O3", "-ffast-math", "-march=native", "-mprefer-vector-width=512", "-fPIC", "-shared",
          "-std=gnu11"]
 DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-MAX_HEAD_DIM = 512  # the sources' MAX_HEAD_DIM (landmark rows), and the rotary dim's bound
-MAX_QUERY_ROWS = 1024  # landmark_scores.c's MAX_QUERY_ROWS (h_q x s_q)
+MAX_HEAD_DIM = 512  # cpu.h's MAX_HEAD_DIM, and the rotary dim's bound
+MAX_QUERY_ROWS = 1024  # cpu.h's MAX_QUERY_ROWS (h_q x s_q)
 _i64, _i32, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
 
 
@@ -245,15 +245,19 @@ def decode_attention(q, rows, k_rows, v_rows, exact_width, exact_len, slot_chunk
         chunk_size, gen_before.data_ptr(), scale, out.data_ptr(), DTYPES[out.dtype],
         lse.data_ptr())
     if failed:
-        raise MemoryError("decode_attention: scratch allocation failed")
+        raise MemoryError("decode_attention: scratch allocation failed (or outside "
+                          "supports_decode_attention())")
     return out, lse
 
 
 def supports_decode_attention(q: torch.Tensor, rows: torch.Tensor) -> bool:
     """Whether ``decode_attention`` here takes these: CPU tensors of fp32, bf16 or fp16, rows
-    each one run of memory, and the library built."""
+    each one run of memory, a head dimension of at most 512, at most 1024 query rows (s_q x
+    h_q), and the library built."""
+    s_q, h_q, head_dim = q.shape[1:]
     return (q.device.type == rows.device.type == "cpu" and q.dtype in DTYPES
-            and rows.dtype in DTYPES and rows.stride(-1) == 1 and library() is not None)
+            and rows.dtype in DTYPES and rows.stride(-1) == 1 and head_dim <= MAX_HEAD_DIM
+            and s_q * h_q <= MAX_QUERY_ROWS and library() is not None)
 
 
 def copy_rows(dst, index, src, src_index=None):

@@ -2,7 +2,8 @@
 
 `landmark_scores` and `select_chunks` are the torch references of the Triton kernels in
 vllm_shadowkv.triton_kernels.select_kernels (same signatures); `assign_slots` is vectorised torch
-used on every device.
+used on CUDA. On the CPU, `landmark_scores`, `select_slots` (selection and assignment) and
+`list_misses` are the references of the C kernels (core/native.py).
 """
 
 import torch

@@ -6,8 +6,6 @@
 
 #include "cpu.h"
 
-#define PREFETCH_AHEAD 4
-
 void copy_rows(void *dst, int dst_dtype, int64_t dst_stride, const int64_t *index, int64_t n,
                const void *src, int src_dtype, int64_t src_stride, const int64_t *src_index,
                int64_t width) {

@@ -1,8 +1,9 @@
-/* What the C kernels share: dtype codes (native.DTYPES), conversions, and AMX set-up. */
+/* What the C kernels share: dtype codes (native.DTYPES), conversions, the row copy, bf16 dot
+ * products and AMX set-up. */
 #pragma once
 #include <stdint.h>
 #include <string.h>
-#if defined(__AVX512BF16__)
+#if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 #if defined(__AMX_BF16__)
@@ -13,6 +14,8 @@
 enum { F32 = 0, BF16 = 1, F16 = 2 };
 
 #define MAX_HEAD_DIM 512
+#define MAX_QUERY_ROWS 1024 /* a call's query rows: h_q x s_q (queries on the stack) */
+#define PREFETCH_AHEAD 4     /* rows prefetched ahead in the scattered row copies */
 
 static inline size_t element_size(int dtype) { return dtype == F32 ? 4 : 2; }
 

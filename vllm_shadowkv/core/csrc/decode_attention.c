@@ -16,7 +16,6 @@
 #include "cpu.h"
 
 #define BLOCK 16 /* rows per online-softmax update */
-#define MAX_QUERY_ROWS 1024 /* h_q / h_kv x s_q */
 /* A finite "no score": -ffast-math assumes no infinities, so none are compared; exp of it
  * minus any real score is 0. */
 #define NONE (-1e30f)

@@ -14,7 +14,6 @@
 
 #include "cpu.h"
 
-#define MAX_QUERY_ROWS 1024 /* h_q x s_q */
 
 static void f32_dots(const struct rows *r, int dtype, const void *const *queries, int q_dtype,
                      int nq, float *logits) {

@@ -6,8 +6,6 @@
 
 #include "cpu.h"
 
-#define PREFETCH_AHEAD 4
-
 struct tables {
     const int64_t *page_offsets;  /* element offset of each page from the pool's first element */
     const int64_t *first_page, *num_heads, *num_rows, *counts;  /* per key */
