@@ -1,5 +1,5 @@
 /* The sparse decode step's exact attention, over K/V rows read in place through their row ids
- * (native.py; the torch reference is attention.decode_attention_reference).
+ * (native.py; the torch reference is attention.decode_attention).
  *
  * For request b and KV head h the attended keys are, in order: the exact region (E rows, the
  * first exact_len[b] valid), the slots (k chunks of c rows, a chunk valid when its slot holds
