@@ -101,27 +101,36 @@ def attention_with_lse_reference(
     return out.to(q.dtype), lse
 
 
+def decode_masks(exact_width, exact_len, slot_chunks, chunk_size, gen_before, gen_width, s_q):
+    """The sparse decode step's key masks, broadcastable to [B, h_kv, s_q, width] each: the exact
+    region [B, 1, 1, E] (the first ``exact_len[b]`` valid), the slots [B, h_kv, 1, k*c] (a
+    chunk valid where ``slot_chunks`` >= 0) and the generated tokens [B, 1, s_q, G] (token t
+    sees the first ``gen_before[b] + t + 1``)."""
+    device = slot_chunks.device
+    exact = torch.arange(exact_width, device=device) < exact_len.view(-1, 1)
+    slots = (slot_chunks >= 0).repeat_interleave(chunk_size, dim=-1)
+    visible = gen_before.view(-1, 1) + torch.arange(1, s_q + 1, device=device)  # [B, s_q]
+    gen = torch.arange(gen_width, device=device) < visible.unsqueeze(-1)
+    return exact[:, None, None], slots.unsqueeze(2), gen.unsqueeze(1)
+
+
 def decode_attention(q, rows, k_rows, v_rows, exact_width, exact_len, slot_chunks, chunk_size,
                      gen_before, scale) -> tuple[torch.Tensor, torch.Tensor]:
     """The sparse decode step's attention over K/V rows where they lie (the CPU step's pages):
     q [B, s_q, h_q, d]; rows [N, d]; k_rows, v_rows int64 [B, h_kv, W], in order the exact
-    region (``exact_width`` rows, the first ``exact_len[b]`` valid), the slots (k chunks of
-    ``chunk_size`` rows, a chunk valid where ``slot_chunks`` [B, h_kv, k] >= 0) and the
-    generated tokens, the step's own last (token t sees the first ``gen_before[b] + t + 1``).
+    region (``exact_width`` rows), the slots (k chunks of ``chunk_size`` rows) and the
+    generated tokens, the step's own last, masked as ``decode_masks`` says.
     -> out [B, s_q, h_q, d] (q's dtype), lse [B, s_q, h_q] fp32, as ``attention_with_lse``.
     (Reference of native.decode_attention: one gather, the masks, one fused call.)"""
-    s_q, device = q.shape[1], q.device
+    batch, s_q = q.shape[:2]
+    h_kv, width = k_rows.shape[1:]
     keys, values = (torch.index_select(rows, 0, ids.flatten()).view(*ids.shape, rows.shape[1])
                     for ids in (k_rows, v_rows))
-    exact = torch.arange(exact_width, device=device) < exact_len.view(-1, 1)  # [B, E]
-    slots = (slot_chunks >= 0).repeat_interleave(chunk_size, dim=-1)  # [B, h, k*c]
-    gen_width = k_rows.shape[-1] - exact_width - slots.shape[-1]
-    visible = gen_before.view(-1, 1) + torch.arange(1, s_q + 1, device=device)  # [B, s_q]
-    gen = torch.arange(gen_width, device=device) < visible.unsqueeze(-1)  # [B, s_q, G]
-    h_kv = slots.shape[1]
-    masks = [exact[:, None, None].expand(-1, h_kv, s_q, -1),
-             slots.unsqueeze(2).expand(-1, -1, s_q, -1), gen.unsqueeze(1).expand(-1, h_kv, -1, -1)]
-    return attention_with_lse(q, keys, values, torch.cat(masks, dim=-1), scale)
+    gen_width = width - exact_width - slot_chunks.shape[-1] * chunk_size
+    masks = decode_masks(exact_width, exact_len, slot_chunks, chunk_size, gen_before, gen_width,
+                         s_q)
+    mask = torch.cat([m.expand(batch, h_kv, s_q, -1) for m in masks], dim=-1)
+    return attention_with_lse(q, keys, values, mask, scale)
 
 
 def paged_causal_attention_reference(

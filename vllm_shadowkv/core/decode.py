@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import ops, transfer
-from .attention import attention_with_lse, merge_attention
+from .attention import attention_with_lse, decode_masks, merge_attention
 from .compress import CompressedPrompt
 from .params import ShadowKVParams
 from .rope import RopeCache
@@ -238,13 +238,9 @@ def decode_step(
         pages = batch.in_place
         return ops.decode_attention(q, pages.rows, pages.k_rows, pages.v_rows, pages.exact_width,
                                     batch.exact_len, batch.slot_chunks, c, gen_before, scale)
-    device = q.device
-    exact_mask = (torch.arange(batch.exact_k.shape[2], device=device)
-                  < batch.exact_len.view(-1, 1)).view(-1, 1, 1, batch.exact_k.shape[2])
-    slot_mask = (batch.slot_chunks >= 0).repeat_interleave(c, dim=-1).unsqueeze(2)
     gen_width = batch.gen_width
-    visible = gen_before.view(-1, 1) + torch.arange(1, s_q + 1, device=device)  # [B, s_q]
-    gen_mask = (torch.arange(gen_width, device=device) < visible.unsqueeze(-1)).unsqueeze(1)
+    exact_mask, slot_mask, gen_mask = decode_masks(
+        batch.exact_k.shape[2], batch.exact_len, batch.slot_chunks, c, gen_before, gen_width, s_q)
     parts = [
         attention_with_lse(q, batch.exact_k, batch.exact_v, exact_mask, scale),
         attention_with_lse(q, batch.gen_k[:, :, :gen_width], batch.gen_v[:, :, :gen_width],
