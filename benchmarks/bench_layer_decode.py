@@ -73,7 +73,6 @@ from vllm_shadowkv.backend import exact_attention
 from vllm_shadowkv.backend.host_malloc import keep_freed_memory
 from vllm_shadowkv.backend.layout import PageLayout
 from vllm_shadowkv.backend.worker_state import RequestStats
-from vllm_shadowkv.core import cpu_kernels
 from vllm_shadowkv.core import decode as core_decode
 from vllm_shadowkv.core import ops as core_ops
 from vllm_shadowkv.core.rope import RopeCache, apply_rope
@@ -505,7 +504,6 @@ def main() -> None:
         "date": datetime.date.today().isoformat(), "torch": torch.__version__,
         "vllm": vllm.__version__, "threads": args.threads,
         "isa": exact_attention._vllm_cpu_isa(DTYPE, HEAD_DIM),
-        "native_bf16_gemm": cpu_kernels.native_bf16_gemm(),
         "heads": [H_Q, H_KV, HEAD_DIM], "dtype": str(DTYPE), "block_size": BLOCK,
         "settings": SETTINGS.resolved(KVShapes(H_KV, HEAD_DIM, DTYPE, BLOCK, 1, 0)).as_dict(),
         "reps": args.reps, "warmup": args.warmup, "query_drift": DRIFT,

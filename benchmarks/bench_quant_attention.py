@@ -5,8 +5,6 @@ the same context in the same run.
 
   python benchmarks/bench_quant_attention.py --device cuda --out gpu_results/quant_attention.json
   python benchmarks/bench_quant_attention.py --contexts 4096 --batches 1,2   # CPU smoke run
-  python benchmarks/bench_quant_attention.py --contexts 16384 --batches 1,2 --block-mib 64 \
-      --fp32-values   # the CPU blocks as they were before 2026-11-28
 
 For the 1-bit format also SpeCache's speculative step (two query rows, the second's logits for
 the next top-k): a separate logits pass against the logits returned by the attention pass.
@@ -27,7 +25,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from vllm_shadowkv.core import cpu_kernels, ops
+from vllm_shadowkv.core import ops
 from vllm_shadowkv.core import quant_attention as reference
 from vllm_shadowkv.core.kivi import KiviFormat, QuantizedGroups
 
@@ -188,17 +186,9 @@ def main():
     parser.add_argument("--batches", default="1,8,16", help="comma list")
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--out", default=None, help="JSON path (PNG written beside it)")
-    parser.add_argument("--block-mib", type=float, default=None,
-                        help="CPU: fp32 keys dequantized per block (default: the library's)")
-    parser.add_argument("--fp32-values", action="store_true",
-                        help="CPU: P.V in fp32 even where bf16 GEMMs are native")
     parser.add_argument("--sweep", action="store_true",
                         help="CUDA: time the Triton kernel under each launch setting instead")
     args = parser.parse_args()
-    if args.block_mib:
-        reference.BLOCK_BYTES = int(args.block_mib * 2**20)
-    if args.fp32_values:
-        cpu_kernels.native_bf16_gemm = lambda: False
     device = torch.device(args.device)
     contexts = [int(x) for x in args.contexts.split(",")]
     batches = [int(x) for x in args.batches.split(",")]
@@ -210,7 +200,6 @@ def main():
     results = [bench_point(f, c, b, args.reps, device, copy_gbps)
                for f, c, b in tqdm(points, desc="quant attention")]
     report = dict(device=args.device, machine=platform.processor() or platform.machine(),
-                  block_bytes=reference.BLOCK_BYTES, fp32_values=args.fp32_values,
                   gpu=torch.cuda.get_device_name() if device.type == "cuda" else None,
                   torch=torch.__version__, heads=[H_Q, H_KV, HEAD_DIM], copy_gbps=copy_gbps,
                   formats={k: str(v) for k, v in FORMATS.items()}, results=results)

@@ -1,16 +1,15 @@
 """KIVI quantization (core/kivi.py) and attention over quantized token groups: the torch path
-(core/quant_attention.py) and the Triton kernel (interpreted on the CPU) against
-dequantize-then-attend. Fresh random inputs each test."""
+(core/quant_attention.py), the C kernel (csrc/quant_attention.c) and the Triton kernel
+(interpreted on the CPU) against dequantize-then-attend. Fresh random inputs each test."""
 
 import importlib
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
 
-from vllm_shadowkv.core import cpu_kernels
+from vllm_shadowkv.core import native
 from vllm_shadowkv.core import quant_attention as torch_path
 from vllm_shadowkv.core.attention import attention_with_lse, merge_attention
 from vllm_shadowkv.core.kivi import (KiviFormat, QuantizedGroups, dequantize_groups, pack_codes,
@@ -251,64 +250,39 @@ def test_torch_path_in_blocks(case, dtype, monkeypatch):
     _check_attention(torch_path.quant_attention, case, dtype)
 
 
-# Each format and dtype compiles (about 20 s here): bits 1/2/4, GQA 1/4/8, empty requests,
-# query rows 1/2/9, value groups of 24 channels (the dequantization's loops split at words and
-# value groups).
-@pytest.mark.skipif(not cpu_kernels.available(), reason="inductor needs a C++ compiler")
-@pytest.mark.parametrize("case, dtype", [
-    (ATTENTION_CASES[0], torch.float32), (ATTENTION_CASES[1], torch.bfloat16),
-    (ATTENTION_CASES[2], torch.bfloat16), (ATTENTION_CASES[5], torch.bfloat16),
-    (ATTENTION_CASES[6], torch.bfloat16)],
-    ids=lambda x: _case_id(x) if isinstance(x, tuple) else str(x).removeprefix("torch."))
-def test_compiled_cpu_kernel_in_blocks(case, dtype, monkeypatch):
-    _two_group_blocks(monkeypatch, case[0], case[1], len(case[-1]))
-    _check_attention(cpu_kernels.quant_attention, case, dtype)
+_needs_native = pytest.mark.skipif(native.library() is None, reason="no C compiler")
 
 
-_WIDTHS_SCRIPT = """
-import torch
-from vllm_shadowkv.core import cpu_kernels
-from vllm_shadowkv.core.kivi import KiviFormat, quantize_groups
-for bits in (2, 1, 4):
-    fmt = KiviFormat(bits, 16, 64, 16)
-    pool = quantize_groups(*torch.randn(2, 48, 2, 64).bfloat16(), fmt)
-    table, count = torch.tensor([[0, 1, 2]], dtype=torch.int32), torch.tensor([3], dtype=torch.int32)
-    q = torch.randn(1, 1, 8, 64).bfloat16()
-    with torch._dynamo.config.patch(error_on_recompile=bits != 2):
-        cpu_kernels.quant_attention(q, pool, table, count, fmt, 0.125)
-        cpu_kernels.quant_logits(q[:, 0], pool, table, count, fmt, 0.125)
-"""
+@_needs_native
+@pytest.mark.parametrize("case", ATTENTION_CASES, ids=_case_id)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_c_kernel(case, dtype):
+    _check_attention(native.quant_attention, case, dtype)
 
 
-@pytest.mark.skipif(not cpu_kernels.available(), reason="inductor needs a C++ compiler")
-def test_each_bit_width_compiles_a_graph_of_its_own():
-    """In a fresh process, a second bit width compiles a graph of its own instead of recompiling
-    the first's with the width symbolic (10x slower unpacking)."""
-    subprocess.run([sys.executable, "-c", _WIDTHS_SCRIPT], check=True, timeout=600)
+def _interleaved(pool: QuantizedGroups) -> QuantizedGroups:
+    """The pool as the engine's pages hold it: each group's six fields side by side in one unit
+    of int32 words (methods/minikv/pages.py: unit_pool), so fields are strided views."""
+    words = [f.view(torch.int32).flatten(1) for f in pool]  # [n, h_kv * field words]
+    units = torch.cat(words, dim=1)
+    views, at = [], 0
+    for f, w in zip(pool, words):
+        part = units[:, at:at + w.shape[1]].view(f.dtype).view(f.shape)
+        views.append(part)
+        at += w.shape[1]
+    assert not views[1].is_contiguous()
+    return QuantizedGroups(*views)
 
 
-_LENGTHS_SCRIPT = """
-import torch
-from vllm_shadowkv.core import cpu_kernels
-from vllm_shadowkv.core.kivi import KiviFormat, quantize_groups
-fmt = KiviFormat(1, 64, 64, 64)
-pool = quantize_groups(*torch.randn(2, 160 * 64, 1, 64).bfloat16(), fmt)
-q = torch.randn(1, 2, 4, 64).bfloat16()
-for groups in (3, 5, 160):  # the warm-up's short requests, then a block of 10,240 tokens
-    table = torch.arange(groups, dtype=torch.int32)[None]
-    count = torch.tensor([groups], dtype=torch.int32)
-    with torch._dynamo.config.patch(error_on_recompile=groups == 160):
-        cpu_kernels.quant_attention(q, pool, table, count, fmt, 0.125, 1)
-        cpu_kernels.quant_logits(q[:, 0], pool, table, count, fmt, 0.125)
-"""
-
-
-@pytest.mark.skipif(not cpu_kernels.available(), reason="inductor needs a C++ compiler")
-def test_a_long_block_compiles_nothing_new():
-    """In a fresh process, blocks of more than 4,096 tokens after short ones (a server's
-    warm-up, then its first long request) run the graphs already compiled (inductor's float
-    sums guarded their length at 4,096: the softmax's row sums are a GEMM instead)."""
-    subprocess.run([sys.executable, "-c", _LENGTHS_SCRIPT], check=True, timeout=600)
+@_needs_native
+@pytest.mark.parametrize("case", ATTENTION_CASES[1:3], ids=_case_id)
+def test_c_kernel_reads_strided_pool_fields(case):
+    fmt, h_kv, gqa, s_q, counts = case
+    q, pool, table, count = _batch(fmt, h_kv, gqa, s_q, counts, torch.bfloat16)
+    want = native.quant_attention(q, pool, table, count, fmt, 0.1, 0)
+    got = native.quant_attention(q, _interleaved(pool), table, count, fmt, 0.1, 0)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("case", ATTENTION_CASES, ids=_case_id)

@@ -1,13 +1,13 @@
 """SpeCache's attention over a low-bit cache with the top-k tokens exact (core/mixed_attention.py:
 one quantized pass, its top-k and the exact tokens swapped in; the pass by the torch path, the
-compiled CPU kernel and the Triton kernel interpreted on the CPU), against caches built
+C kernel and the Triton kernel interpreted on the CPU), against caches built
 explicitly. Fresh random inputs each test.
 """
 
 import pytest
 import torch
 
-from vllm_shadowkv.core import cpu_kernels, ops
+from vllm_shadowkv.core import native, ops
 from vllm_shadowkv.core import quant_attention as torch_path
 from vllm_shadowkv.core.attention import attention_with_lse_reference, merge_attention
 from vllm_shadowkv.core.kivi import (KiviFormat, QuantizedGroups, dequantize_groups,
@@ -82,13 +82,12 @@ def _attend(q, k, v, scale, key_mask=None):
 
 IMPLS = {
     "torch": torch_path.quant_attention,
-    "compiled": cpu_kernels.quant_attention,
+    "native": native.quant_attention,
     "triton": quant_kernels.quant_attention,
 }
-KERNEL_MODES = {"torch": "torch", "compiled": "auto", "triton": "triton"}
-_needs_compiler = pytest.mark.skipif(not cpu_kernels.available(),
-                                     reason="inductor needs a C++ compiler")
-IMPL_PARAMS = [pytest.param("torch"), pytest.param("compiled", marks=_needs_compiler),
+KERNEL_MODES = {"torch": "torch", "native": "auto", "triton": "triton"}
+_needs_compiler = pytest.mark.skipif(native.library() is None, reason="no C compiler")
+IMPL_PARAMS = [pytest.param("torch"), pytest.param("native", marks=_needs_compiler),
                pytest.param("triton")]
 
 def _device(impl, kernel_device):

@@ -109,6 +109,10 @@ def library() -> ctypes.CDLL | None:
                                       _ptr, _ptr, _ptr, _ptr, _i32, _i64, _i64, _ptr, _ptr, _i64]
     lib.list_misses.restype = ctypes.c_int64
     lib.list_misses.argtypes = [_ptr, _ptr, _ptr, _i32, _i32, _i32, _ptr, _ptr, _ptr, _ptr]
+    lib.quant_attention.restype = ctypes.c_int
+    lib.quant_attention.argtypes = [_ptr, _i32, _i32, _i32, _i32, _i32, _ptr, _ptr, _i32, _i32,
+                                    _i32, _i32, _i32, _ptr, _i64, _ptr, ctypes.c_float, _i32,
+                                    _ptr, _i64, _ptr, _i32, _ptr]
     lib.copy_rows.restype = None
     lib.copy_rows.argtypes = [_ptr, _i32, _i64, _ptr, _i64, _ptr, _i32, _i64, _ptr, _i64]
     return lib
@@ -258,6 +262,58 @@ def supports_decode_attention(q: torch.Tensor, rows: torch.Tensor) -> bool:
     return (q.device.type == rows.device.type == "cpu" and q.dtype in DTYPES
             and rows.dtype in DTYPES and rows.stride(-1) == 1 and head_dim <= MAX_HEAD_DIM
             and s_q * h_q <= MAX_QUERY_ROWS and library() is not None)
+
+
+def quant_attention(q, groups, group_table, group_count, fmt, scale, logits_row=None,
+                    attend=True):
+    """quant_attention.quant_attention in one C call for the whole batch
+    (``csrc/quant_attention.c``), for what ``supports_quant_attention`` accepts. Without
+    ``attend`` only the logits of ``logits_row`` are computed: -> logits."""
+    batch, s_q, h_q, head_dim = q.shape
+    h_kv = groups.key_codes.shape[1]
+    q = q.contiguous()
+    table = group_table if group_table.stride(-1) == 1 else group_table.contiguous()
+    table, counts = table.to(torch.int32), _int32(group_count)
+    width = int(counts.max()) * fmt.group if batch else 0
+    logits = None
+    if logits_row is not None:
+        logits = torch.full((batch, h_q, width), float("-inf"), dtype=torch.float32)
+    strides = torch.tensor([s * f.element_size() for f in groups for s in f.stride()[:2]],
+                           dtype=torch.int64)
+    bases = (ctypes.c_void_p * 6)(*(f.data_ptr() for f in groups))
+    out = torch.empty_like(q) if attend else None
+    lse = torch.empty(batch, s_q, h_q, dtype=torch.float32)
+    failed = library().quant_attention(
+        q.data_ptr(), DTYPES[q.dtype], batch, s_q, h_q, head_dim, bases, strides.data_ptr(),
+        DTYPES[groups.key_scale.dtype], h_kv, fmt.bits, fmt.group, fmt.value_group,
+        table.data_ptr(), table.stride(0) if batch else 0, counts.data_ptr(), scale,
+        -1 if logits_row is None else logits_row,
+        None if logits is None else logits.data_ptr(), width,
+        None if out is None else out.data_ptr(), DTYPES[q.dtype], lse.data_ptr())
+    if failed:
+        raise MemoryError("quant_attention: scratch allocation failed (or outside "
+                          "supports_quant_attention())")
+    if not attend:
+        return logits
+    return (out, lse) if logits is None else (out, lse, logits)
+
+
+def quant_logits(q, groups, group_table, group_count, fmt, scale):
+    """mixed_attention.quant_logits: ``quant_attention``'s logits alone, q [B, h_q, d]."""
+    return quant_attention(q[:, None], groups, group_table, group_count, fmt, scale, 0,
+                           attend=False)
+
+
+def supports_quant_attention(q: torch.Tensor, groups) -> bool:
+    """Whether ``quant_attention`` here takes these: CPU tensors, queries and scales of fp32,
+    bf16 or fp16, each pool field's entries [h_kv, ...] with unit strides inside a head, a head
+    dimension of at most 512, at most 1024 query rows (s_q x h_q), and the library built."""
+    s_q, h_q, head_dim = q.shape[1:]
+    return (q.device.type == "cpu" and all(f.device.type == "cpu" for f in groups)
+            and q.dtype in DTYPES and groups.key_scale.dtype in DTYPES
+            and all(f[0, 0].is_contiguous() for f in groups if len(f))
+            and head_dim <= MAX_HEAD_DIM and s_q * h_q <= MAX_QUERY_ROWS
+            and library() is not None)
 
 
 def copy_rows(dst, index, src, src_index=None):

@@ -148,15 +148,19 @@ def copy_rows(dst, index, src, src_index=None):
     (cpu_kernels if compiled_cpu(dst) else reconstruct).copy_rows(dst, index, src, src_index)
 
 
+def _native_quant(q, groups) -> bool:
+    return compiled_cpu(q) and native.supports_quant_attention(q, groups)
+
+
 def quant_attention(q, groups, group_table, group_count, fmt, scale, logits_row=None):
     impl = (_kernels("quant_kernels") if _use_triton(q)
-            else cpu_kernels if compiled_cpu(q) else quant_path)
+            else native if _native_quant(q, groups) else quant_path)
     return impl.quant_attention(q, groups, group_table, group_count, fmt, scale, logits_row)
 
 
 def quant_logits(q, groups, group_table, group_count, fmt, scale):
     impl = (_kernels("quant_kernels") if _use_triton(q)
-            else cpu_kernels if compiled_cpu(q) else mixed_attention)
+            else native if _native_quant(q[:, None], groups) else mixed_attention)
     return impl.quant_logits(q, groups, group_table, group_count, fmt, scale)
 
 

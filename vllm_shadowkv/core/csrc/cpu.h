@@ -1,11 +1,12 @@
 /* What the C kernels share: dtype codes (native.DTYPES), conversions, the row copy, bf16 dot
- * products and AMX set-up. */
+ * products, AMX set-up, and the online softmax's block update and value sums. */
 #pragma once
 #include <stdint.h>
 #include <string.h>
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
+#include <math.h>
 #if defined(__AMX_BF16__)
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -112,7 +113,7 @@ struct rows {
     int n, h_kv, d;
 };
 
-#if defined(__AVX512BF16__)
+#if defined(__AVX512F__)
 /* The four vectors' sums, one per lane: transposing adds (a horizontal sum each would cost
  * twice the instructions). */
 static inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
@@ -123,7 +124,9 @@ static inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
     x = _mm512_add_ps(x, _mm512_shuffle_f32x4(x, x, 0xB1));
     return _mm512_castps512_ps128(x);
 }
+#endif
 
+#if defined(__AVX512BF16__)
 static inline __m512bh load_bf16(const uint16_t *src, int v, int nv, __mmask32 tail) {
     return (__m512bh)_mm512_maskz_loadu_epi16(v == nv - 1 ? tail : ~0u, src + 32 * v);
 }
@@ -174,3 +177,48 @@ static inline void bf16_dots(const struct rows *r, const void *const *queries, i
 }
 #endif
 
+/* One block of n scores of a query row in online softmax: pr (scaled, masked to NONE-like
+ * finite values; `top` their max) becomes the block's weights, and the row's max *m, sum *l
+ * and value sums acc[d] are rescaled to the new max. */
+static inline void softmax_update(float *pr, int n, float top, float *m, float *l, float *acc,
+                                  int d) {
+    const float new_max = top > *m ? top : *m;
+    const float rescale = expf(*m - new_max);
+    float total = 0.f;
+    for (int i = 0; i < n; i++) total += pr[i] = expf(pr[i] - new_max);
+    *l = *l * rescale + total;
+    *m = new_max;
+    if (rescale != 1.f)
+        for (int x = 0; x < d; x++) acc[x] *= rescale;
+}
+
+#if defined(__AVX512F__)
+/* acc[r][x0, x0 + 16 nv) += sum_i p[r * n + i] * vf[i][x0, ...): the sums stay in registers
+ * where nv is a constant (inlined). */
+static inline __attribute__((always_inline)) void add_values_nv(
+    float *acc, const float *p, const float *vf, int n, int nq, int d, int x0, const int nv) {
+    for (int r = 0; r < nq; r++) {
+        __m512 a[8];
+        for (int v = 0; v < nv; v++) a[v] = _mm512_loadu_ps(acc + r * d + x0 + 16 * v);
+        for (int i = 0; i < n; i++) {
+            const __m512 pi = _mm512_set1_ps(p[r * n + i]);
+            for (int v = 0; v < nv; v++)
+                a[v] = _mm512_fmadd_ps(pi, _mm512_loadu_ps(vf + i * d + x0 + 16 * v), a[v]);
+        }
+        for (int v = 0; v < nv; v++) _mm512_storeu_ps(acc + r * d + x0 + 16 * v, a[v]);
+    }
+}
+#endif
+
+/* acc[r] += sum_i p[r * n + i] * vf[i], for the nq query rows; vf: n rows of d fp32. */
+static inline void add_values(float *acc, const float *p, const float *vf, int n, int nq, int d) {
+    int x0 = 0;
+#if defined(__AVX512F__)
+    for (; x0 + 128 <= d; x0 += 128) add_values_nv(acc, p, vf, n, nq, d, x0, 8);
+    for (; x0 + 64 <= d; x0 += 64) add_values_nv(acc, p, vf, n, nq, d, x0, 4);
+    for (; x0 + 16 <= d; x0 += 16) add_values_nv(acc, p, vf, n, nq, d, x0, 1);
+#endif
+    for (int r = 0; r < nq; r++)
+        for (int i = 0; i < n; i++)
+            for (int x = x0; x < d; x++) acc[r * d + x] += p[r * n + i] * vf[i * d + x];
+}

@@ -35,37 +35,6 @@ static inline int64_t first_token(const struct layout *l, int w) {
     return w > l->gen_before ? w - l->gen_before : 0;
 }
 
-#if defined(__AVX512F__)
-/* acc[r][x0, x0 + 16 nv) += sum_i p[r * n + i] * vf[i][x0, ...): the sums stay in registers
- * where nv is a constant (inlined). */
-static inline __attribute__((always_inline)) void add_values_nv(
-    float *acc, const float *p, const float *vf, int n, int nq, int d, int x0, const int nv) {
-    for (int r = 0; r < nq; r++) {
-        __m512 a[8];
-        for (int v = 0; v < nv; v++) a[v] = _mm512_loadu_ps(acc + r * d + x0 + 16 * v);
-        for (int i = 0; i < n; i++) {
-            const __m512 pi = _mm512_set1_ps(p[r * n + i]);
-            for (int v = 0; v < nv; v++)
-                a[v] = _mm512_fmadd_ps(pi, _mm512_loadu_ps(vf + i * d + x0 + 16 * v), a[v]);
-        }
-        for (int v = 0; v < nv; v++) _mm512_storeu_ps(acc + r * d + x0 + 16 * v, a[v]);
-    }
-}
-#endif
-
-/* acc[r] += sum_i p[r * n + i] * vf[i], for the nq query rows; vf: n rows of d fp32. */
-static void add_values(float *acc, const float *p, const float *vf, int n, int nq, int d) {
-    int x0 = 0;
-#if defined(__AVX512F__)
-    for (; x0 + 128 <= d; x0 += 128) add_values_nv(acc, p, vf, n, nq, d, x0, 8);
-    for (; x0 + 64 <= d; x0 += 64) add_values_nv(acc, p, vf, n, nq, d, x0, 4);
-    for (; x0 + 16 <= d; x0 += 16) add_values_nv(acc, p, vf, n, nq, d, x0, 1);
-#endif
-    for (int r = 0; r < nq; r++)
-        for (int i = 0; i < n; i++)
-            for (int x = x0; x < d; x++) acc[r * d + x] += p[r * n + i] * vf[i * d + x];
-}
-
 /* q: [B, s_q, h_q, d] contiguous. rows: the pages as rows of row_stride elements (unit stride
  * over d). k_rows, v_rows: int64 [B, h_kv, width]. exact_len, gen_before: int64 [B];
  * slot_chunks: int32 [B, h_kv, k]. out: [B, s_q, h_q, d] of out_dtype; lse: fp32 [B, s_q, h_q].
@@ -145,14 +114,7 @@ int decode_attention(const void *q, int q_dtype, const void *rows, int dtype, in
                         pr[i] = t >= firsts[i] ? pr[i] * scale : NONE;
                         top = pr[i] > top ? pr[i] : top;
                     }
-                    const float new_max = top > m[r] ? top : m[r];
-                    const float rescale = expf(m[r] - new_max);
-                    float total = 0.f;
-                    for (int i = 0; i < n; i++) total += pr[i] = expf(pr[i] - new_max);
-                    l_sum[r] = l_sum[r] * rescale + total;
-                    m[r] = new_max;
-                    if (rescale != 1.f)
-                        for (int x = 0; x < d; x++) acc[r * d + x] *= rescale;
+                    softmax_update(pr, n, top, m + r, l_sum + r, acc + r * d, d);
                 }
                 for (int i = 0; i < n; i++)
                     to_f32((const char *)rows + value_ids[i] * row_bytes, dtype, d, kvf + i * d);
