@@ -5,10 +5,18 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from vllm_shadowkv.core import cpu_kernels, heavy_hitters, ops
+from vllm_shadowkv.core import cpu_kernels, heavy_hitters, native, ops
 from vllm_shadowkv.core.attention import causal_attention_cpu
 from vllm_shadowkv.core.heavy_hitters import (accumulate_column_sums, layer_budgets,
                                               select_heavy_hitters)
+
+
+def _amx_tiles() -> bool:
+    """Whether the C column sums run here (a CPU with AMX tiles, the library built)."""
+    if native.library() is None:
+        return False
+    q, k = torch.zeros(1, 1, 64).bfloat16(), torch.zeros(1, 1, 64).bfloat16()
+    return native.column_sums(q, k, 1.0) is not None
 
 
 def dense_column_sums(q, k, scale):
@@ -23,16 +31,22 @@ def dense_column_sums(q, k, scale):
     return probs.sum(dim=1).view(h_kv, h_q // h_kv, length).sum(dim=1)
 
 
-@pytest.mark.parametrize("impl", ["gemm", "gemm-eager", "tiles", "triton"])
+@pytest.mark.parametrize("impl", ["amx", "gemm", "gemm-eager", "tiles", "triton"])
 @pytest.mark.parametrize("gqa", [1, 4, 8])
 @pytest.mark.parametrize("chunks, head_dim", [([97], 64), ([37, 1, 59], 80), ([64, 33], 128)])
 @pytest.mark.parametrize("given_lse", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_chunked_column_sums_equal_one_pass(impl, gqa, chunks, head_dim, given_lse, dtype,
                                             monkeypatch, kernel_device):
-    """The CPU's GEMM tiles (compiled, and eager as in "torch" mode), the fp32 tiles and the
-    Triton kernel (what CUDA runs; interpreted on the CPU) against the dense map, with the rows'
-    LSE computed inside or handed over from the prefill's exact attention."""
+    """The C kernel on AMX tiles (bf16 where the CPU has them), the CPU's GEMM tiles (compiled,
+    and eager as in "torch" mode), the fp32 tiles and the Triton kernel (what CUDA runs;
+    interpreted on the CPU) against the dense map, with the rows' LSE computed inside or handed
+    over from the prefill's exact attention."""
+    amx = dtype == torch.bfloat16 and head_dim <= 128 and _amx_tiles()
+    if impl == "amx" and not amx:
+        pytest.skip("AMX tiles, bf16 inputs and head_dim <= 128 only")
+    if impl == "gemm":  # the tiles a CPU without AMX runs
+        monkeypatch.setattr(native, "supports_column_sums", lambda q, k: False)
     if impl == "tiles":
         monkeypatch.setattr(heavy_hitters, "gemm_column_sums",
                             lambda q, k, scale, tile: heavy_hitters.chunk_column_sums_reference(
@@ -59,10 +73,26 @@ def test_chunked_column_sums_equal_one_pass(impl, gqa, chunks, head_dim, given_l
     want = dense_column_sums(q, k, scale)
     # bf16 GEMM logits: each rounded to 2^-9 of its distance from the row's centring.
     tol = 2e-3 if impl.startswith("gemm") and dtype == torch.bfloat16 else 1e-4
+    if impl == "amx":
+        tol = 1e-4  # bf16 products summed in fp32: as exact as the fp32 tiles
     torch.testing.assert_close(col_sums.cpu(), want, atol=tol, rtol=tol)
     # Every query row's probabilities sum to 1.
     torch.testing.assert_close(col_sums.sum(dim=-1).cpu(),
                                torch.full((h_kv,), length * gqa * 1.0), rtol=1e-5, atol=0)
+
+
+@pytest.mark.skipif(not _amx_tiles(), reason="needs AMX tiles")
+def test_amx_rows_far_above_their_centre_are_summed_again():
+    """A key whose logit lies far above both keys that centre a row (its own and the first):
+    exp would overflow fp32, so the row is summed again centred on its largest logit."""
+    q = torch.randn(40, 4, 64) * 0.1
+    k = torch.randn(40, 1, 64) * 0.1
+    q[:, :, 0], k[7, 0, 0] = 4.0, 40.0  # logits of 160 against key 7 (scale 1), ~0 elsewhere
+    q, k = q.bfloat16(), k.bfloat16()
+    got = native.column_sums(q[10:], k, 1.0)
+    want = heavy_hitters.chunk_column_sums_reference(q[10:], k, 1.0)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert got[0, 7] > 0.99 * 30 * 4  # every row of the chunk attends key 7
 
 
 def test_gemm_tiles_redo_the_rows_whose_estimate_falls_short():

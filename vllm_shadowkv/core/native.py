@@ -113,6 +113,9 @@ def library() -> ctypes.CDLL | None:
     lib.quant_attention.argtypes = [_ptr, _i32, _i32, _i32, _i32, _i32, _ptr, _ptr, _i32, _i32,
                                     _i32, _i32, _i32, _ptr, _i64, _ptr, ctypes.c_float, _i32,
                                     _ptr, _i64, _ptr, _i32, _ptr]
+    lib.column_sums.restype = ctypes.c_int
+    lib.column_sums.argtypes = [_ptr, _ptr, _i64, _i32, _i32, _i32, _i32, _i32, ctypes.c_float,
+                                _ptr]
     lib.copy_rows.restype = None
     lib.copy_rows.argtypes = [_ptr, _i32, _i64, _ptr, _i64, _ptr, _i32, _i64, _ptr, _i64]
     return lib
@@ -314,6 +317,28 @@ def supports_quant_attention(q: torch.Tensor, groups) -> bool:
             and all(f[0, 0].is_contiguous() for f in groups if len(f))
             and head_dim <= MAX_HEAD_DIM and s_q * h_q <= MAX_QUERY_ROWS
             and library() is not None)
+
+
+def column_sums(q, k, scale):
+    """heavy_hitters.chunk_column_sums_reference in one C call on AMX tiles
+    (``csrc/column_sums.c``), for what ``supports_column_sums`` accepts; None where the CPU has
+    no AMX tiles (or d > 128)."""
+    n, h_q, head_dim = q.shape
+    length, h_kv, _ = k.shape
+    q = q.contiguous()
+    total = torch.zeros(h_kv, length, dtype=torch.float32)
+    status = library().column_sums(q.data_ptr(), k.data_ptr(), k.stride(0), n, h_q, h_kv,
+                                   head_dim, length, scale, total.data_ptr())
+    if status == 2:
+        raise MemoryError("column_sums: scratch allocation failed")
+    return None if status else total
+
+
+def supports_column_sums(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether ``column_sums`` here may take these: bf16 CPU tensors, each token's key heads one
+    run of memory, and the library built (the kernel itself declines without AMX tiles)."""
+    return (q.device.type == k.device.type == "cpu" and q.dtype == k.dtype == torch.bfloat16
+            and k.stride(2) == 1 and k.stride(1) == k.shape[2] and library() is not None)
 
 
 def copy_rows(dst, index, src, src_index=None):

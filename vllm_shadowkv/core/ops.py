@@ -166,12 +166,17 @@ def quant_logits(q, groups, group_table, group_count, fmt, scale):
 
 def column_sums(q, k, scale, lse=None):
     """One prefill chunk's H2O column sums. The Triton kernel takes the rows' LSE where the
-    engine's paged prefill kernel gave it; the CPU's GEMM tiles normalise their rows themselves
-    (``heavy_hitters.gemm_column_sums``), compiled in "auto", eager in "torch"."""
+    engine's paged prefill kernel gave it. On the CPU the C kernel on AMX tiles (bf16, "auto")
+    and the GEMM tiles elsewhere (``heavy_hitters.gemm_column_sums``, compiled in "auto", eager
+    in "torch") normalise their rows themselves."""
     if _use_triton(q):
         return _kernels("heavy_hitter_kernels").chunk_column_sums(q, k, scale, lse)
     if q.device.type != "cpu":
         return heavy_hitters.chunk_column_sums_reference(q, k, scale, lse)
+    if compiled_cpu(q) and native.supports_column_sums(q, k):
+        sums = native.column_sums(q, k, scale)
+        if sums is not None:  # (None: no AMX tiles on this CPU)
+            return sums
     tile = cpu_kernels.column_sum_tile if compiled_cpu(q) else heavy_hitters.column_sum_tile
     return heavy_hitters.gemm_column_sums(q, k, scale, tile)
 
