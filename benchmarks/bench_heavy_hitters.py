@@ -3,10 +3,12 @@ vLLM's chunked prefill hands them over, as ratios to the exact attention of the 
 through vLLM's CPU kernel (what the default backend's prefill runs), in one run:
 
 * minikv: what MiniKV's prefill runs per chunk: on the CPU the exact attention through vLLM's
-  kernel (no LSE), then the H2O column sums in bf16 GEMM tiles that normalise their own rows
-  (core/heavy_hitters.gemm_column_sums); on CUDA the engine's paged Triton kernel, which gives
+  kernel (no LSE), then the H2O column sums (a C kernel on AMX tiles, csrc/column_sums.c, where
+  the CPU has them; else bf16 GEMM tiles that normalise their own rows,
+  core/heavy_hitters.gemm_column_sums); on CUDA the engine's paged Triton kernel, which gives
   each row's LSE with the output, then the column sums' Triton kernel from that LSE;
-* column sums alone (on CUDA with their rows' LSE from a pass of their own);
+* column sums alone (on CUDA with their rows' LSE from a pass of their own), and on the CPU
+  the GEMM tiles too;
 * the explicit fp32 tiles (chunk_column_sums_reference, the reference).
 
   python benchmarks/bench_heavy_hitters.py --out benchmarks/heavy_hitters/cpu.json
@@ -23,8 +25,9 @@ import torch
 from tqdm import tqdm
 
 from vllm_shadowkv.backend.exact_attention import causal_attention
-from vllm_shadowkv.core import ops
-from vllm_shadowkv.core.heavy_hitters import accumulate_column_sums, chunk_column_sums_reference
+from vllm_shadowkv.core import cpu_kernels, ops
+from vllm_shadowkv.core.heavy_hitters import (accumulate_column_sums, chunk_column_sums_reference,
+                                              gemm_column_sums)
 
 H_Q, H_KV, HEAD_DIM = 32, 8, 128
 
@@ -70,6 +73,9 @@ def measure(length: int, chunk: int, reps: int, tiles_too: bool, device: torch.d
     def tiles(start, end):
         chunk_column_sums_reference(q[start:end], k[:end], scale)
 
+    def gemm_tiles(start, end):
+        gemm_column_sums(q[start:end], k[:end], scale, cpu_kernels.column_sum_tile)
+
     attend(0, min(chunk, length))  # vLLM's kernel: its first call sets up for seconds
     column_sums(0, min(chunk, length))  # Triton's first launch compiles
     attention_s = min(chunked(attend, length, chunk, device) for _ in range(reps))
@@ -77,10 +83,15 @@ def measure(length: int, chunk: int, reps: int, tiles_too: bool, device: torch.d
     sums_s = min(chunked(column_sums, length, chunk, device) for _ in range(reps))
     tiles_s = (min(chunked(tiles, length, chunk, device) for _ in range(reps)) if tiles_too
                else None)
+    gemm_s = None
+    if device.type == "cpu":
+        gemm_tiles(0, min(chunk, length))  # compiles the tile
+        gemm_s = min(chunked(gemm_tiles, length, chunk, device) for _ in range(reps))
     return {"prompt_tokens": length, "chunk_tokens": chunk, "attention_s": attention_s,
             "minikv_s": minikv_s, "minikv_ratio": minikv_s / attention_s,
             "column_sums_s": sums_s, "ratio": sums_s / attention_s,
-            "fp32_tiles_s": tiles_s, "tiles_ratio": tiles_s and tiles_s / attention_s}
+            "fp32_tiles_s": tiles_s, "tiles_ratio": tiles_s and tiles_s / attention_s,
+            "gemm_tiles_s": gemm_s, "gemm_tiles_ratio": gemm_s and gemm_s / attention_s}
 
 
 def main() -> None:
@@ -101,6 +112,8 @@ def main() -> None:
     for r in rows:
         tiles = (f"; fp32 tiles {r['fp32_tiles_s']:.2f} s, {r['tiles_ratio']:.2f}x"
                  if r["fp32_tiles_s"] else "")
+        if r["gemm_tiles_s"]:
+            tiles += f"; GEMM tiles {r['gemm_tiles_s']:.2f} s, {r['gemm_tiles_ratio']:.2f}x"
         print(f"{r['prompt_tokens']:>6} tokens in chunks of {r['chunk_tokens']}: the exact "
               f"attention {r['attention_s']:.2f} s; minikv's (attention + column sums) "
               f"{r['minikv_s']:.2f} s, {r['minikv_ratio']:.2f}x; column sums alone "
