@@ -31,26 +31,38 @@ def dense_column_sums(q, k, scale):
     return probs.sum(dim=1).view(h_kv, h_q // h_kv, length).sum(dim=1)
 
 
-@pytest.mark.parametrize("impl", ["amx", "gemm", "gemm-eager", "tiles", "triton"])
+CHUNKS = [([97], 64), ([37, 1, 59], 80), ([64, 33], 128)]
+
+
+@pytest.mark.parametrize("impl", ["gemm", "gemm-eager", "tiles", "triton"])
 @pytest.mark.parametrize("gqa", [1, 4, 8])
-@pytest.mark.parametrize("chunks, head_dim", [([97], 64), ([37, 1, 59], 80), ([64, 33], 128)])
+@pytest.mark.parametrize("chunks, head_dim", CHUNKS)
 @pytest.mark.parametrize("given_lse", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_chunked_column_sums_equal_one_pass(impl, gqa, chunks, head_dim, given_lse, dtype,
                                             monkeypatch, kernel_device):
-    """The C kernel on AMX tiles (bf16 where the CPU has them), the CPU's GEMM tiles (compiled,
-    and eager as in "torch" mode), the fp32 tiles and the Triton kernel (what CUDA runs;
-    interpreted on the CPU) against the dense map, with the rows' LSE computed inside or handed
-    over from the prefill's exact attention."""
-    amx = dtype == torch.bfloat16 and head_dim <= 128 and _amx_tiles()
-    if impl == "amx" and not amx:
-        pytest.skip("AMX tiles, bf16 inputs and head_dim <= 128 only")
-    if impl == "gemm":  # the tiles a CPU without AMX runs
+    """The CPU's GEMM tiles (compiled, and eager as in "torch" mode), the fp32 tiles and the
+    Triton kernel (what CUDA runs; interpreted on the CPU) against the dense map, with the rows'
+    LSE computed inside or handed over from the prefill's exact attention."""
+    if impl == "gemm":  # the tiles a CPU without AMX runs (with AMX bf16 goes to the C kernel)
         monkeypatch.setattr(native, "supports_column_sums", lambda q, k: False)
     if impl == "tiles":
         monkeypatch.setattr(heavy_hitters, "gemm_column_sums",
                             lambda q, k, scale, tile: heavy_hitters.chunk_column_sums_reference(
                                 q, k, scale))
+    _check_chunked(impl, gqa, chunks, head_dim, given_lse, dtype, monkeypatch, kernel_device)
+
+
+@pytest.mark.skipif(not _amx_tiles(), reason="needs AMX tiles")
+@pytest.mark.parametrize("gqa", [1, 4, 8])
+@pytest.mark.parametrize("chunks, head_dim", CHUNKS)
+def test_amx_chunked_column_sums_equal_one_pass(gqa, chunks, head_dim, monkeypatch):
+    """The C kernel on AMX tiles (bf16 chunks), as the engine calls it."""
+    _check_chunked("amx", gqa, chunks, head_dim, False, torch.bfloat16, monkeypatch,
+                   torch.device("cpu"))
+
+
+def _check_chunked(impl, gqa, chunks, head_dim, given_lse, dtype, monkeypatch, kernel_device):
     # Small tiles, so that queries and keys are both split within a chunk.
     monkeypatch.setattr(heavy_hitters, "QUERY_BLOCK", 16)
     monkeypatch.setattr(heavy_hitters, "KEY_BLOCK", 24)
@@ -71,10 +83,9 @@ def test_chunked_column_sums_equal_one_pass(impl, gqa, chunks, head_dim, given_l
             start += n
             assert col_sums.shape == (h_kv, start) and col_sums.dtype == torch.float32
     want = dense_column_sums(q, k, scale)
-    # bf16 GEMM logits: each rounded to 2^-9 of its distance from the row's centring.
+    # bf16 GEMM logits: each rounded to 2^-9 of its distance from the row's centring. (The
+    # AMX tiles sum bf16 products in fp32: as exact as the fp32 tiles.)
     tol = 2e-3 if impl.startswith("gemm") and dtype == torch.bfloat16 else 1e-4
-    if impl == "amx":
-        tol = 1e-4  # bf16 products summed in fp32: as exact as the fp32 tiles
     torch.testing.assert_close(col_sums.cpu(), want, atol=tol, rtol=tol)
     # Every query row's probabilities sum to 1.
     torch.testing.assert_close(col_sums.sum(dim=-1).cpu(),

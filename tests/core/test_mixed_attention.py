@@ -238,6 +238,27 @@ def test_logits_row_from_the_attention_pass(impl, case, kernel_device, monkeypat
         torch.testing.assert_close(logits, want, atol=tol, rtol=tol)
 
 
+@_needs_compiler
+@pytest.mark.parametrize("h_kv, gqa, width, k", [(2, 4, 37, 5), (1, 8, 300, 64), (3, 1, 9, 12),
+                                                 (2, 3, 0, 4)])
+def test_c_top_k_equals_the_reference(h_kv, gqa, width, k):
+    """The C top-k against mixed_attention.top_k_tokens: ragged rows (-inf past a request's
+    tokens, a request without any), other keys' LSE of -inf, k above the width."""
+    batch = 4
+    logits = torch.randn(batch, h_kv * gqa, width) * 4
+    lengths = [width, width // 2, 0, max(width - 3, 0)]
+    for b, n in enumerate(lengths):
+        logits[b, :, n:] = float("-inf")
+    other_lse = torch.randn(batch, h_kv * gqa) * 3
+    other_lse[1] = float("-inf")
+    got = native.top_k_tokens(logits, other_lse, h_kv, k)
+    want = top_k_tokens(logits, other_lse, h_kv, k)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    for b in range(batch):
+        for h in range(h_kv):
+            assert sorted(got[b, h].tolist()) == sorted(want[b, h].tolist())
+
+
 @pytest.mark.parametrize("impl", IMPL_PARAMS)
 def test_logits_row_without_groups(impl, kernel_device):
     """A batch whose requests hold no groups yet: empty logits, as quant_logits gives."""

@@ -116,6 +116,8 @@ def library() -> ctypes.CDLL | None:
     lib.column_sums.restype = ctypes.c_int
     lib.column_sums.argtypes = [_ptr, _ptr, _i64, _i32, _i32, _i32, _i32, _i32, ctypes.c_float,
                                 _ptr]
+    lib.top_k_tokens.restype = ctypes.c_int
+    lib.top_k_tokens.argtypes = [_ptr, _i64, _ptr, _i32, _i32, _i32, _i32, _ptr]
     lib.copy_rows.restype = None
     lib.copy_rows.argtypes = [_ptr, _i32, _i64, _ptr, _i64, _ptr, _i32, _i64, _ptr, _i64]
     return lib
@@ -317,6 +319,18 @@ def supports_quant_attention(q: torch.Tensor, groups) -> bool:
             and all(f[0, 0].is_contiguous() for f in groups if len(f))
             and head_dim <= MAX_HEAD_DIM and s_q * h_q <= MAX_QUERY_ROWS
             and library() is not None)
+
+
+def top_k_tokens(logits, other_lse, h_kv, k):
+    """mixed_attention.top_k_tokens in one C call (``csrc/top_k_tokens.c``), for CPU tensors.
+    Among equal scores the lower token wins."""
+    batch, h_q, width = logits.shape
+    logits, other_lse = logits.float().contiguous(), other_lse.float().contiguous()
+    out = torch.empty(batch, h_kv, k, dtype=torch.int32)
+    if library().top_k_tokens(logits.data_ptr(), width, other_lse.data_ptr(), batch, h_q, h_kv,
+                              k, out.data_ptr()):
+        raise MemoryError("top_k_tokens: scratch allocation failed")
+    return out
 
 
 def column_sums(q, k, scale):

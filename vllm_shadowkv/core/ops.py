@@ -164,6 +164,13 @@ def quant_logits(q, groups, group_table, group_count, fmt, scale):
     return impl.quant_logits(q, groups, group_table, group_count, fmt, scale)
 
 
+def top_k_tokens(logits, other_lse, h_kv, k):
+    """SpeCache's top-k: one C call on the CPU, the torch reference elsewhere."""
+    if compiled_cpu(logits) and native.library() is not None:
+        return native.top_k_tokens(logits, other_lse, h_kv, k)
+    return mixed_attention.top_k_tokens(logits, other_lse, h_kv, k)
+
+
 def column_sums(q, k, scale, lse=None):
     """One prefill chunk's H2O column sums. The Triton kernel takes the rows' LSE where the
     engine's paged prefill kernel gave it. On the CPU the C kernel on AMX tiles (bf16, "auto")

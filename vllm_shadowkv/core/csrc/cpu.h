@@ -1,5 +1,5 @@
 /* What the C kernels share: dtype codes (native.DTYPES), conversions, the row copy, bf16 dot
- * products, AMX set-up, and the online softmax's block update and value sums. */
+ * products, AMX set-up, the online softmax's block update and value sums, and top-k. */
 #pragma once
 #include <stdint.h>
 #include <string.h>
@@ -221,4 +221,45 @@ static inline void add_values(float *acc, const float *p, const float *vf, int n
     for (int r = 0; r < nq; r++)
         for (int i = 0; i < n; i++)
             for (int x = x0; x < d; x++) acc[r * d + x] += p[r * n + i] * vf[i * d + x];
+}
+
+/* Top-k by a min-heap of the best so far (ShadowKV's chunks, SpeCache's tokens). */
+struct scored {
+    float score;
+    int index;
+};
+
+/* a before b: higher score, then lower index (the order of the selection) */
+static inline int better(struct scored a, struct scored b) {
+    return a.score > b.score || (a.score == b.score && a.index < b.index);
+}
+
+/* heap[0] is the worst kept: sift the root down */
+static inline void sift_down(struct scored *heap, int n, int i) {
+    for (;;) {
+        int worst = i;
+        const int left = 2 * i + 1, right = left + 1;
+        if (left < n && better(heap[worst], heap[left])) worst = left;
+        if (right < n && better(heap[worst], heap[right])) worst = right;
+        if (worst == i) return;
+        const struct scored t = heap[i];
+        heap[i] = heap[worst], heap[worst] = t;
+        i = worst;
+    }
+}
+
+/* The `take` best of scores[0, n) into out, best first. */
+static inline void top(const float *scores, int n, int take, struct scored *out) {
+    if (take == 0) return;
+    for (int i = 0; i < take; i++) out[i] = (struct scored){scores[i], i};
+    for (int i = take / 2 - 1; i >= 0; i--) sift_down(out, take, i);
+    for (int i = take; i < n; i++) {
+        const struct scored s = {scores[i], i};
+        if (better(s, out[0])) out[0] = s, sift_down(out, take, 0);
+    }
+    for (int end = take - 1; end > 0; end--) {  /* heap sort: the worst goes last */
+        const struct scored t = out[0];
+        out[0] = out[end], out[end] = t;
+        sift_down(out, end, 0);
+    }
 }

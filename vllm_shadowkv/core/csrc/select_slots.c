@@ -6,48 +6,9 @@
  * already in a slot stays there (found by binary search among the sorted residents), the
  * misses take the freed slots, lowest first, in order of score, and freed slots left over are
  * emptied (-1). */
-#include <stdint.h>
 #include <stdlib.h>
 
-struct scored {
-    float score;
-    int index;
-};
-
-/* a before b: higher score, then lower index (the order of the selection) */
-static inline int better(struct scored a, struct scored b) {
-    return a.score > b.score || (a.score == b.score && a.index < b.index);
-}
-
-/* heap[0] is the worst kept: sift the root down */
-static void sift_down(struct scored *heap, int n, int i) {
-    for (;;) {
-        int worst = i;
-        const int left = 2 * i + 1, right = left + 1;
-        if (left < n && better(heap[worst], heap[left])) worst = left;
-        if (right < n && better(heap[worst], heap[right])) worst = right;
-        if (worst == i) return;
-        const struct scored t = heap[i];
-        heap[i] = heap[worst], heap[worst] = t;
-        i = worst;
-    }
-}
-
-/* The `take` best of scores[0, n) into out, best first. */
-static void top(const float *scores, int n, int take, struct scored *out) {
-    if (take == 0) return;
-    for (int i = 0; i < take; i++) out[i] = (struct scored){scores[i], i};
-    for (int i = take / 2 - 1; i >= 0; i--) sift_down(out, take, i);
-    for (int i = take; i < n; i++) {
-        const struct scored s = {scores[i], i};
-        if (better(s, out[0])) out[0] = s, sift_down(out, take, 0);
-    }
-    for (int end = take - 1; end > 0; end--) {  /* heap sort: the worst goes last */
-        const struct scored t = out[0];
-        out[0] = out[end], out[end] = t;
-        sift_down(out, end, 0);
-    }
-}
+#include "cpu.h"
 
 static int by_chunk(const void *a, const void *b) {
     const int x = ((const int32_t *)a)[0], y = ((const int32_t *)b)[0];

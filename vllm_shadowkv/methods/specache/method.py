@@ -190,8 +190,7 @@ class SpeCacheMethod(MiniKVMethod):
         other_lse = torch.logaddexp(
             row_lse, torch.logsumexp(tail.masked_fill(~folded, float("-inf")), dim=-1))
         tail.masked_fill_(folded, float("-inf"))
-        return mixed_attention.top_k_tokens(logits, other_lse, 1,
-                                            self.settings.top_k).view(n * h, -1)
+        return ops.top_k_tokens(logits, other_lse, 1, self.settings.top_k).view(n * h, -1)
 
     def _fetch(self, layer: LayerContext, reqs: list[RequestRows], plans: list[RequestPlan],
                wanted: torch.Tensor) -> SlotFetch:
