@@ -260,6 +260,19 @@ def test_c_kernel(case, dtype):
     _check_attention(native.quant_attention, case, dtype)
 
 
+@_needs_native
+def test_c_kernel_refuses_a_table_entry_outside_the_pool():
+    fmt, h_kv, gqa, s_q, counts = ATTENTION_CASES[0]
+    q, pool, table, count = _batch(fmt, h_kv, gqa, s_q, counts, torch.bfloat16)
+    table = table.clone()
+    table[3, counts[3] - 1] = len(pool.key_codes)  # one past the last group
+    with pytest.raises(IndexError, match="outside the pool"):
+        native.quant_attention(q, pool, table, count, fmt, 0.1)
+    table[3, counts[3] - 1] = -1
+    with pytest.raises(IndexError, match="outside the pool"):
+        native.quant_attention(q, pool, table, count, fmt, 0.1)
+
+
 def _interleaved(pool: QuantizedGroups) -> QuantizedGroups:
     """The pool as the engine's pages hold it: each group's six fields side by side in one unit
     of int32 words (methods/minikv/pages.py: unit_pool), so fields are strided views."""

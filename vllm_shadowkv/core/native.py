@@ -110,9 +110,9 @@ def library() -> ctypes.CDLL | None:
     lib.list_misses.restype = ctypes.c_int64
     lib.list_misses.argtypes = [_ptr, _ptr, _ptr, _i32, _i32, _i32, _ptr, _ptr, _ptr, _ptr]
     lib.quant_attention.restype = ctypes.c_int
-    lib.quant_attention.argtypes = [_ptr, _i32, _i32, _i32, _i32, _i32, _ptr, _ptr, _i32, _i32,
-                                    _i32, _i32, _i32, _ptr, _i64, _ptr, ctypes.c_float, _i32,
-                                    _ptr, _i64, _ptr, _i32, _ptr]
+    lib.quant_attention.argtypes = [_ptr, _i32, _i32, _i32, _i32, _i32, _ptr, _ptr, _i64, _i32,
+                                    _i32, _i32, _i32, _i32, _ptr, _i64, _ptr, ctypes.c_float,
+                                    _i32, _ptr, _i64, _ptr, _i32, _ptr]
     lib.column_sums.restype = ctypes.c_int
     lib.column_sums.argtypes = [_ptr, _ptr, _i64, _i32, _i32, _i32, _i32, _i32, ctypes.c_float,
                                 _ptr]
@@ -290,11 +290,15 @@ def quant_attention(q, groups, group_table, group_count, fmt, scale, logits_row=
     lse = torch.empty(batch, s_q, h_q, dtype=torch.float32)
     failed = library().quant_attention(
         q.data_ptr(), DTYPES[q.dtype], batch, s_q, h_q, head_dim, bases, strides.data_ptr(),
-        DTYPES[groups.key_scale.dtype], h_kv, fmt.bits, fmt.group, fmt.value_group,
+        len(groups.key_codes), DTYPES[groups.key_scale.dtype], h_kv, fmt.bits, fmt.group,
+        fmt.value_group,
         table.data_ptr(), table.stride(0) if batch else 0, counts.data_ptr(), scale,
         -1 if logits_row is None else logits_row,
         None if logits is None else logits.data_ptr(), width,
         None if out is None else out.data_ptr(), DTYPES[q.dtype], lse.data_ptr())
+    if failed == 2:
+        raise IndexError(f"quant_attention: a group table entry is outside the pool's "
+                         f"{len(groups.key_codes)} groups")
     if failed:
         raise MemoryError("quant_attention: scratch allocation failed (or outside "
                           "supports_quant_attention())")
