@@ -19,3 +19,42 @@ def test_silent_when_no_method_runs_on_the_worker(tmp_path, monkeypatch):
     logger = Mock()
     WorkerState().report(logger)
     assert not logger.method_calls and not list(tmp_path.iterdir())
+
+
+def test_snapshot_file_at_once_on_lifecycle_and_throttled_while_counters_grow(tmp_path,
+                                                                             monkeypatch):
+    """A request's start and finish are written at once; the counters of running requests,
+    which grow every decode step, at most every WRITE_EVERY_S."""
+    import json
+    from types import SimpleNamespace
+    from unittest.mock import Mock
+
+    from vllm_shadowkv.backend import worker_state
+    from vllm_shadowkv.backend.worker_state import STATS_DIR_ENV, RequestStats, WorkerState
+
+    monkeypatch.setenv(STATS_DIR_ENV, str(tmp_path))
+    clock = [100.0]
+    monkeypatch.setattr(worker_state.time, "monotonic", lambda: clock[0])
+    state = WorkerState()
+    state.engine = SimpleNamespace(stamp=SimpleNamespace(method="shadowkv", store_bytes=1 << 30))
+
+    def written():
+        (path,) = tmp_path.glob("worker-*.json")
+        return json.loads(path.read_text())
+
+    state.requests["a"] = RequestStats(mode="sparse", selected=10)
+    state.report(Mock())
+    assert written()["running_sparse"] == 1 and written()["selected"] == 10
+    state.requests["a"].selected = 20  # a decode step later
+    clock[0] += 0.1
+    state.report(Mock())
+    assert written()["selected"] == 10  # throttled
+    clock[0] += worker_state.WRITE_EVERY_S
+    state.report(Mock())
+    assert written()["selected"] == 20
+    state.requests["a"].selected = 30
+    state.totals["selected"] += state.requests.pop("a").selected  # finished: at once
+    state.totals["finished_sparse"] += 1
+    clock[0] += 0.1
+    state.report(Mock())
+    assert written()["finished_sparse"] == 1 and written()["selected"] == 30

@@ -22,6 +22,10 @@ from vllm_shadowkv.store import CpuValueStore
 # workers (metrics.ensure_stats_dir names it in VLLM_RAY_EXTRA_ENV_VARS_TO_COPY).
 STATS_DIR_ENV = "SHADOWKV_STATS_DIR"
 LOG_EVERY_S = 10.0
+# The snapshot file at once when requests start or finish; when only the counters of running
+# requests grew, at most this often (writing it every step cost 0.5-0.8 ms of a decode step).
+WRITE_EVERY_S = 1.0
+LIFECYCLE = ("running_sparse", "running_dense", "finished_sparse", "finished_dense")
 
 
 @dataclass(frozen=True)
@@ -98,6 +102,7 @@ class WorkerState:
     finished: deque = field(default_factory=lambda: deque(maxlen=1024))  # (req_id, stats)
     totals: Counter = field(default_factory=Counter)  # of released requests, for metrics
     _last_log: float = 0.0
+    _last_write: float = 0.0
     _written: dict = field(default_factory=dict)
 
     def store(self, method, layer: int = 0) -> CpuValueStore:
@@ -175,21 +180,23 @@ class WorkerState:
 
     def report(self, logger) -> None:
         """Called once per engine step: when the counters changed, a snapshot file for the
-        server's Prometheus collector (``metrics.py``), and a log line at most every
-        LOG_EVERY_S. Silent when none of the plugin's methods runs on this worker."""
+        server's Prometheus collector (``metrics.py``; see WRITE_EVERY_S), and a log line at
+        most every LOG_EVERY_S. Silent when none of the plugin's methods runs on this worker."""
         if self.engine is None:
             return
         snap = self.snapshot()
-        if snap == self._written:
+        now = time.monotonic()
+        if snap == self._written or (
+                all(snap[k] == self._written.get(k) for k in LIFECYCLE)
+                and now - self._last_write < WRITE_EVERY_S):
             return
-        self._written = snap
+        self._written, self._last_write = snap, now
         stats_dir = os.environ.get(STATS_DIR_ENV)
         if stats_dir:
             path = os.path.join(stats_dir, f"worker-{os.getpid()}.json")
             with open(path + ".tmp", "w") as f:
                 json.dump(snap, f)
             os.replace(path + ".tmp", path)
-        now = time.monotonic()
         if now - self._last_log >= LOG_EVERY_S:
             self._last_log = now
             hit_rate = snap["hits"] / snap["selected"] if snap["selected"] else 0.0
