@@ -15,7 +15,7 @@ from vllm_shadowkv.core.kivi import (KiviFormat, QuantizedGroups, dequantize_gro
 from vllm_shadowkv.core.mixed_attention import swap_in_exact, top_k_tokens
 
 # quant_kernels: imported there interpreted on a CPU-only machine
-from test_kivi import _two_group_blocks, quant_kernels
+from test_kivi import _needs_native, _two_group_blocks, quant_kernels
 
 
 class Requests:
@@ -86,8 +86,7 @@ IMPLS = {
     "triton": quant_kernels.quant_attention,
 }
 KERNEL_MODES = {"torch": "torch", "native": "auto", "triton": "triton"}
-_needs_compiler = pytest.mark.skipif(native.library() is None, reason="no C compiler")
-IMPL_PARAMS = [pytest.param("torch"), pytest.param("native", marks=_needs_compiler),
+IMPL_PARAMS = [pytest.param("torch"), pytest.param("native", marks=_needs_native),
                pytest.param("triton")]
 
 def _device(impl, kernel_device):
@@ -238,7 +237,7 @@ def test_logits_row_from_the_attention_pass(impl, case, kernel_device, monkeypat
         torch.testing.assert_close(logits, want, atol=tol, rtol=tol)
 
 
-@_needs_compiler
+@_needs_native
 @pytest.mark.parametrize("h_kv, gqa, width, k", [(2, 4, 37, 5), (1, 8, 300, 64), (3, 1, 9, 12),
                                                  (2, 3, 0, 4)])
 def test_c_top_k_equals_the_reference(h_kv, gqa, width, k):
