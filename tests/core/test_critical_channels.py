@@ -1,12 +1,13 @@
 """TailorKV's critical-channel token selection: the torch reference against a brute-force loop and
-exact logits, the compiled CPU kernel (rows gathered) and the Triton kernel (rows read in place
-in a host store's pages, interpreted on the CPU, see conftest.py) against the reference, GQA
-groups 1/4/8, signed scores, the sink/recent/generated exclusions, ties."""
+exact logits, the compiled CPU kernel (rows gathered), the Triton kernel (rows read in place
+in a host store's pages, interpreted on the CPU, see conftest.py) and the C top-k (in place
+too) against the reference, GQA groups 1/4/8, signed scores, the sink/recent/generated
+exclusions, ties."""
 
 import pytest
 import torch
 
-from vllm_shadowkv.core import cpu_kernels, ops
+from vllm_shadowkv.core import cpu_kernels, native, ops
 from vllm_shadowkv.core import critical_channels as cc
 from vllm_shadowkv.store import CpuValueStore
 from vllm_shadowkv.triton_kernels import channel_kernels
@@ -15,35 +16,40 @@ PROMPTS = [300, 0, 37, 129, 1000]  # irregular; empty; shorter than sink + recen
 GRID = [(g, d, dt) for g in (1, 4, 8) for d in (64, 128) for dt in (torch.float32, torch.bfloat16)]
 
 
+def _store_pages(keys_cm, key_start, prompt_len, chunk, page_rows, one_extent, device):
+    """The keys put into a host store as TailorKV keeps them (channel-major rows of ``chunk``
+    tokens; small pages, so the keys span several pages and, unless ``one_extent``, several
+    extents) -> (pool, page offsets, first page per request, extents)."""
+    h_kv, head_dim, _ = keys_cm.shape
+    prompts = prompt_len.tolist()
+    store = CpuValueStore(1 << 26, keys_cm.dtype, (chunk,), page_rows=page_rows,
+                          pin_memory=device.type == "cuda")
+    if one_extent:  # grow the pool once to hold every prompt, so that all lie in its first
+        total = sum(-(-h_kv * head_dim * -(-n // chunk) // page_rows) * page_rows
+                    for n in prompts)
+        store.put("all", torch.zeros(1, total, chunk, dtype=keys_cm.dtype))
+        store.free("all")
+    offsets, starts = [], [0]
+    for b, (start, n) in enumerate(zip(key_start.tolist(), prompts)):
+        chunks = -(-n // chunk)
+        rows = torch.nn.functional.pad(keys_cm[:, :, start:start + n].cpu(),
+                                       (0, chunks * chunk - n))
+        store.put(b, rows.reshape(h_kv, head_dim * chunks, chunk))
+        offsets.append(store.page_offsets(b))
+        starts.append(starts[-1] + len(offsets[-1]))
+    assert len(store._extents) == 1 or not one_extent
+    return (store.pool, torch.cat(offsets).to(device),
+            torch.tensor(starts[:-1], dtype=torch.int32, device=device), len(store._extents))
+
+
 def _paged(module, chunk=16, page_rows=4, one_extent=False):
-    """A function shaped like `channel_scores` that puts the keys into a host store as TailorKV
-    keeps them (channel-major rows of ``chunk`` tokens; small pages, so the keys span several
-    pages and, unless ``one_extent``, several extents), then scores them in place with
-    ``module.channel_scores_paged``."""
+    """A function shaped like `channel_scores` that puts the keys into a host store
+    (`_store_pages`), then scores them in place with ``module.channel_scores_paged``."""
     def scores(q, keys_cm, channels, key_start, prompt_len, sink, recent, max_len):
-        h_kv, head_dim, _ = keys_cm.shape
-        prompts = prompt_len.tolist()
-        store = CpuValueStore(1 << 26, keys_cm.dtype, (chunk,), page_rows=page_rows,
-                              pin_memory=q.is_cuda)
-        if one_extent:  # grow the pool once to hold every prompt, so that all lie in its first
-            total = sum(-(-h_kv * head_dim * -(-n // chunk) // page_rows) * page_rows
-                        for n in prompts)
-            store.put("all", torch.zeros(1, total, chunk, dtype=keys_cm.dtype))
-            store.free("all")
-        offsets, starts = [], [0]
-        for b, (start, n) in enumerate(zip(key_start.tolist(), prompts)):
-            chunks = -(-n // chunk)
-            rows = torch.nn.functional.pad(keys_cm[:, :, start:start + n].cpu(),
-                                           (0, chunks * chunk - n))
-            store.put(b, rows.reshape(h_kv, head_dim * chunks, chunk))
-            offsets.append(store.page_offsets(b))
-            starts.append(starts[-1] + len(offsets[-1]))
-        scores.extents = len(store._extents)
-        assert scores.extents == 1 or not one_extent
-        return module.channel_scores_paged(
-            q, store.pool, torch.cat(offsets).to(q.device),
-            torch.tensor(starts[:-1], dtype=torch.int32, device=q.device), channels, prompt_len,
-            sink, recent, max_len, chunk, page_rows)
+        pool, offsets, starts, scores.extents = _store_pages(
+            keys_cm, key_start, prompt_len, chunk, page_rows, one_extent, q.device)
+        return module.channel_scores_paged(q, pool, offsets, starts, channels, prompt_len,
+                                           sink, recent, max_len, chunk, page_rows)
     return scores
 
 
@@ -295,3 +301,100 @@ def test_dispatch_routes_channel_scores(monkeypatch, interpreted):
         paged(*args)
     assert calls == ["cpu" if cpu_kernels.available() else "torch", "torch", "triton-paged",
                      "torch-paged", "torch"]  # (the paged reference gathers, then scores)
+
+
+_needs_native = pytest.mark.skipif(native.library() is None, reason="no C compiler")
+
+
+def _c_and_reference(q, keys_cm, key_start, prompt_len, sink, recent, num_channels, k,
+                     one_extent=False):
+    """The C top-k over the keys in store pages, and the reference's scores and ids over the
+    same keys (gathered: the paged reference reads only the pool's first extent, and equals
+    the gathered one, test_paged_reference_equals_the_gathered_one) -> (got, want, scores)."""
+    absmax = cc.key_channel_absmax(keys_cm, key_start, prompt_len)
+    channels = cc.critical_channels(q, absmax, num_channels)
+    chunk, page_rows, max_len = 16, 4, int(prompt_len.max())
+    pool, offsets, starts, extents = _store_pages(keys_cm, key_start, prompt_len, chunk,
+                                                  page_rows, one_extent, q.device)
+    assert extents > 1 or one_extent
+    assert native.supports_channel_top_k(q, pool)
+    got = native.channel_top_k(q, pool, offsets, starts, channels, prompt_len, sink, recent,
+                               chunk, page_rows, k)
+    scores = cc.channel_scores(q, keys_cm, channels, key_start, prompt_len, sink, recent,
+                               max_len)
+    return got, cc.select_tokens(scores, prompt_len, sink, recent, k), scores
+
+
+@_needs_native
+@pytest.mark.parametrize("group,head_dim,dtype", GRID + [(4, 128, torch.float16)])
+def test_c_top_k_matches_reference(group, head_dim, dtype):
+    """The same set as the reference's, on irregular prompts (one empty, one shorter than sink
+    + recent) spread over pages of several extents."""
+    h_kv, sink, recent, num_channels, k = 2, 8, 120, 12, 96
+    keys_cm, key_start = _channel_major_pool(PROMPTS, h_kv, head_dim, dtype, "cpu")
+    prompt_len = _as_i32(PROMPTS, "cpu")
+    q = torch.randn(len(PROMPTS), h_kv * group, head_dim).to(dtype)
+    got, want, scores = _c_and_reference(q, keys_cm, key_start, prompt_len, sink, recent,
+                                         num_channels, k)
+    _check_selection(got, scores, prompt_len, sink, recent, k)
+    assert torch.equal(got >= 0, want >= 0)
+
+
+@_needs_native
+@pytest.mark.parametrize("k", [1, 50, 2000])
+def test_c_top_k_with_ties_and_a_covering_k(k):
+    """Few distinct key values: many equal scores (the selected scores match as a set); a k
+    above every prompt's middle takes all of it."""
+    h_kv, head_dim, sink, recent = 2, 64, 8, 16
+    prompts = [400, 77, 1]
+    keys_cm, key_start = _channel_major_pool(prompts, h_kv, head_dim, torch.float32, "cpu")
+    keys_cm.copy_(torch.randint(-1, 2, keys_cm.shape).float())
+    q = torch.randint(-2, 3, (len(prompts), h_kv * 4, head_dim)).float()
+    prompt_len = _as_i32(prompts, "cpu")
+    got, want, scores = _c_and_reference(q, keys_cm, key_start, prompt_len, sink, recent, 4, k,
+                                         one_extent=True)
+    _check_selection(got, scores, prompt_len, sink, recent, k)
+    assert torch.equal(got >= 0, want >= 0)
+    if k == 2000:
+        assert (got[0, :, :400 - sink - recent] >= 0).all() and (got[2] == -1).all()
+
+
+def test_dispatch_routes_channel_top_k(monkeypatch, interpreted):
+    """CPU tensors: the C kernel (with a compiler); the reference in "torch" mode; the Triton
+    scores and one torch.topk in "triton" mode."""
+    calls = []
+    for name, module, fn in (("c", native, "channel_top_k"),
+                             ("triton-paged", channel_kernels, "channel_scores_paged"),
+                             ("torch-paged", cc, "channel_scores_paged")):
+        real = getattr(module, fn)
+        monkeypatch.setattr(module, fn,
+                            lambda *a, name=name, real=real: calls.append(name) or real(*a))
+    keys_cm, key_start = _channel_major_pool([30], 1, 16, torch.bfloat16, "cpu")
+    prompt_len = _as_i32([30], "cpu")
+    pool, offsets, starts, _ = _store_pages(keys_cm, key_start, prompt_len, 16, 4, False,
+                                            torch.device("cpu"))
+    q = torch.randn(1, 2, 16).to(torch.bfloat16)
+    args = (q, pool, offsets, starts, torch.zeros(1, 1, 4, dtype=torch.int32), prompt_len, 2, 2,
+            30, 16, 4, 5)
+    results = [ops.channel_top_k(*args)]
+    assert ops.reads_channels_in_place(q, pool) == (native.library() is not None)
+    with ops.kernel_mode("torch"):
+        results.append(ops.channel_top_k(*args))
+        assert not ops.reads_channels_in_place(q, pool)
+    with ops.force_triton():
+        results.append(ops.channel_top_k(*args))
+        assert ops.reads_channels_in_place(q, pool)
+    assert calls == (["c"] if native.library() else ["torch-paged"]) + ["torch-paged",
+                                                                        "triton-paged"]
+    for got in results[1:]:
+        assert torch.equal(got >= 0, results[0] >= 0)
+
+
+@_needs_native
+def test_c_top_k_among_equal_scores_takes_the_earliest_tokens():
+    h_kv, head_dim, sink, recent, k = 2, 16, 3, 5, 10
+    keys_cm, key_start = _channel_major_pool([300], h_kv, head_dim, torch.bfloat16, "cpu")
+    got, _, _ = _c_and_reference(torch.zeros(1, h_kv, head_dim).to(torch.bfloat16), keys_cm,
+                                 key_start, _as_i32([300], "cpu"), sink, recent, 4, k,
+                                 one_extent=True)
+    assert (got.sort(dim=-1).values == torch.arange(sink, sink + k, dtype=torch.int32)).all()

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from vllm_shadowkv.core import ops
+from vllm_shadowkv.core import native, ops
 from vllm_shadowkv.core.attention import (attention_with_lse, attention_with_lse_reference,
                                           merge_attention)
 from core_ragged import compress_prompts
@@ -17,7 +17,13 @@ from core_dense import dense_attention
 from core_rope_util import default_rope
 
 
-def test_assign_slots_keeps_hits_in_place():
+ASSIGN = [pytest.param(assign_slots, id="torch"), pytest.param(
+    native.assign_slots, id="c",
+    marks=pytest.mark.skipif(native.library() is None, reason="no C compiler"))]
+
+
+@pytest.mark.parametrize("assign_slots", ASSIGN)
+def test_assign_slots_keeps_hits_in_place(assign_slots):
     resident = torch.tensor([[[5, 9, -1, 2]]], dtype=torch.int32)
     selected = torch.tensor([[[2, 7, 5, 8]]], dtype=torch.int32)
     slots, miss_slots, miss_count = assign_slots(resident, selected)
@@ -42,8 +48,9 @@ def _assign_slots_by_loops(resident: list[int], selected: list[int]):
     return new, free[:len(misses)] + [-1] * (len(resident) - len(misses)), len(misses)
 
 
+@pytest.mark.parametrize("assign_slots", ASSIGN)
 @pytest.mark.parametrize("k", [1, 7, 64])
-def test_assign_slots_matches_the_policy_on_random_rows(k):
+def test_assign_slots_matches_the_policy_on_random_rows(k, assign_slots):
     gen = torch.Generator().manual_seed(k)
     batch, h_kv, chunks = 3, 4, 2 * k + 5
 

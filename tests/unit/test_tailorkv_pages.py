@@ -14,10 +14,11 @@ from test_specache_pages import low_bit_context
 
 from vllm_shadowkv.backend.exact_attention import causal_attention
 from vllm_shadowkv.backend.layout import PageLayout
-from vllm_shadowkv.core.store import InMemoryValueStore
+from vllm_shadowkv.core import ops
 from vllm_shadowkv.methods.base import KVShapes
 from vllm_shadowkv.methods.tailorkv import TailorKVMethod, TailorKVSettings
 from vllm_shadowkv.methods.tailorkv.pages import STAGING_FACTOR
+from vllm_shadowkv.store import CpuValueStore
 
 
 def make_method(settings: TailorKVSettings, h=2, d=64, block_size=16, num_layers=2,
@@ -31,8 +32,14 @@ def make_method(settings: TailorKVSettings, h=2, d=64, block_size=16, num_layers
 def make_world(method, requests, seed=0) -> World:
     world = World(method, requests, seed=seed)
     stores = {}
-    world.ctx.store = stores[(2, method.shapes.head_size)] = InMemoryValueStore()
-    world.ctx.store_for = lambda shape: stores.setdefault(tuple(shape), InMemoryValueStore())
+
+    def store_for(shape):  # the engine's store: the CPU kernels read its pages in place
+        if tuple(shape) not in stores:
+            stores[tuple(shape)] = CpuValueStore(1 << 26, method.shapes.dtype, shape,
+                                                 pin_memory=False)
+        return stores[tuple(shape)]
+
+    world.ctx.store, world.ctx.store_for = store_for((2, method.shapes.head_size)), store_for
     return world
 
 
@@ -103,12 +110,14 @@ def s_layer_reference(world: World, r: str, seq_len: int) -> torch.Tensor:
     return torch.einsum("ht,thd->hd", probs, values)
 
 
-def test_s_layer_decode_equals_the_reference():
+@pytest.mark.parametrize("mode", ["auto", "torch"])  # the store's pages read in place by the
+def test_s_layer_decode_equals_the_reference(mode):  # C top-k; gathered for the reference
     method = make_method(TailorKVSettings(q_layers=(1,), **S_SETTINGS))
     world = make_world(method, {"r": (301, 45)})
     world.prefill("r", chunk=100)
     for s in range(302, 301 + 45 + 1):  # past a fold of the generated tokens (residual 32)
-        out = world.step({"r": s})["r"]
+        with ops.kernel_mode(mode):
+            out = world.step({"r": s})["r"]
         torch.testing.assert_close(out, s_layer_reference(world, "r", s), atol=1e-5, rtol=1e-5)
     stats = world.stats["r"]
     assert stats.hits > 0 and stats.decode_steps == 45

@@ -15,7 +15,9 @@ reads channel rows gathered out of the host store. `channel_scores_paged` reads 
 store keeps them (on CUDA the kernel loads pinned host memory directly, so the step never waits
 for the host to gather); it is the reference of the Triton kernel in
 vllm_shadowkv.triton_kernels.channel_kernels (same signature). The others are vectorised torch
-used on every device (small tensors, or one torch.topk).
+used on every device (small tensors, or one torch.topk). `channel_top_k` (`select_tokens` over
+`channel_scores_paged`) is the reference of the CPU's C kernel, which reads the pages in place
+too and keeps the top-k in a heap.
 """
 
 import torch
@@ -109,6 +111,27 @@ def channel_scores_paged(
     keys_cm = torch.cat(parts, dim=2).to(q.device) if parts else q.new_empty(h_kv, head_dim, 0)
     key_start = torch.tensor(starts, dtype=torch.int32, device=q.device)
     return channel_scores(q, keys_cm, channels, key_start, prompt_len, sink, recent, max_len)
+
+
+def channel_top_k(
+    q: torch.Tensor,
+    pool: torch.Tensor,
+    page_offset: torch.Tensor,
+    page_start: torch.Tensor,
+    channels: torch.Tensor,
+    prompt_len: torch.Tensor,
+    sink: int,
+    recent: int,
+    max_len: int,
+    chunk: int,
+    page_rows: int,
+    k: int,
+) -> torch.Tensor:
+    """`select_tokens` over `channel_scores_paged`: the step's top-k middle tokens per (request,
+    KV head) read from the store's pages -> [B, h_kv, k] int32, best first, -1 after."""
+    scores = channel_scores_paged(q, pool, page_offset, page_start, channels, prompt_len, sink,
+                                  recent, max_len, chunk, page_rows)
+    return select_tokens(scores, prompt_len, sink, recent, k)
 
 
 def partial_scores(q_crit: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:

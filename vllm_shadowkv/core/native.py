@@ -118,6 +118,11 @@ def library() -> ctypes.CDLL | None:
                                 _ptr]
     lib.top_k_tokens.restype = ctypes.c_int
     lib.top_k_tokens.argtypes = [_ptr, _i64, _ptr, _i32, _i32, _i32, _i32, _ptr]
+    lib.channel_top_k.restype = ctypes.c_int
+    lib.channel_top_k.argtypes = [_ptr, _i32, _ptr, _i32, _ptr, _i32, _ptr, _ptr, _ptr, _i32, _i32,
+                                  _i32, _i32, _i32, _i32, _i32, _i64, _i32, _ptr]
+    lib.assign_slots.restype = ctypes.c_int
+    lib.assign_slots.argtypes = [_ptr, _ptr, _i64, _i32, _ptr, _ptr]
     lib.copy_rows.restype = None
     lib.copy_rows.argtypes = [_ptr, _i32, _i64, _ptr, _i64, _ptr, _i32, _i64, _ptr, _i64]
     return lib
@@ -216,6 +221,18 @@ def select_slots(scores, landmark_chunks, lm_start, lm_count, k, slot_chunks):
         batch, h_kv, k, slots.data_ptr(), miss_slots.data_ptr(), miss_count.data_ptr())
     if failed:
         raise MemoryError("select_slots: scratch allocation failed")
+    return slots, miss_slots, miss_count
+
+
+def assign_slots(slot_chunks, selected):
+    """select.assign_slots in one C call (``csrc/select_slots.c``), for CPU tensors."""
+    *lead, k = selected.shape
+    slots = slot_chunks.to(torch.int32, copy=True).contiguous()
+    miss_slots = torch.empty(*lead, k, dtype=torch.int32)
+    miss_count = torch.empty(*lead, dtype=torch.int32)
+    if library().assign_slots(slots.data_ptr(), _int32(selected).data_ptr(), miss_count.numel(),
+                              k, miss_slots.data_ptr(), miss_count.data_ptr()):
+        raise MemoryError("assign_slots: scratch allocation failed")
     return slots, miss_slots, miss_count
 
 
@@ -335,6 +352,31 @@ def top_k_tokens(logits, other_lse, h_kv, k):
                               k, out.data_ptr()):
         raise MemoryError("top_k_tokens: scratch allocation failed")
     return out
+
+
+def channel_top_k(q, pool, page_offset, page_start, channels, prompt_len, sink, recent, chunk,
+                  page_rows, k):
+    """critical_channels.channel_top_k in one C call for the whole batch
+    (``csrc/channel_top_k.c``), for what ``supports_channel_top_k`` accepts. Among equal scores
+    the earlier token wins."""
+    batch, h_q, head_dim = q.shape
+    h_kv, d_s = channels.shape[1:]
+    out = torch.empty(batch, h_kv, k, dtype=torch.int32)
+    q, offsets = q.contiguous(), _int64(page_offset)
+    channels, starts, lens = _int32(channels), _int32(page_start), _int32(prompt_len)
+    if library().channel_top_k(q.data_ptr(), DTYPES[q.dtype], channels.data_ptr(), d_s,
+                               pool.data_ptr(), DTYPES[pool.dtype], offsets.data_ptr(),
+                               starts.data_ptr(), lens.data_ptr(), batch, h_q, h_kv, head_dim,
+                               sink, recent, chunk, page_rows, k, out.data_ptr()):
+        raise MemoryError("channel_top_k: scratch allocation failed")
+    return out
+
+
+def supports_channel_top_k(q: torch.Tensor, pool: torch.Tensor) -> bool:
+    """Whether ``channel_top_k`` here takes these: CPU tensors of fp32, bf16 or fp16, and the
+    library built."""
+    return (q.device.type == pool.device.type == "cpu" and q.dtype in DTYPES
+            and pool.dtype in DTYPES and library() is not None)
 
 
 def column_sums(q, k, scale):

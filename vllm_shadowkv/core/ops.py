@@ -97,6 +97,12 @@ def select_slots(scores, landmark_chunks, lm_start, lm_count, k, slot_chunks):
     return select.assign_slots(slot_chunks, selected)
 
 
+def assign_slots(slot_chunks, selected):
+    """The hit-cache assignment of SpeCache's and TailorKV's tokens to their slots."""
+    impl = native if compiled_cpu(selected) and native.supports_select(selected) else select
+    return impl.assign_slots(slot_chunks, selected)
+
+
 def list_misses(slot_chunks, miss_slots, miss_count):
     impl = native if compiled_cpu(miss_slots) and native.supports_select(miss_slots) else select
     return impl.list_misses(slot_chunks, miss_slots, miss_count)
@@ -114,6 +120,28 @@ def channel_scores_paged(q, pool, page_offset, page_start, channels, prompt_len,
     impl = _kernels("channel_kernels") if _use_triton(q) else critical_channels
     return impl.channel_scores_paged(q, pool, page_offset, page_start, channels, prompt_len,
                                      sink, recent, max_len, chunk, page_rows)
+
+
+def _native_channels(q, pool) -> bool:
+    return compiled_cpu(q) and native.supports_channel_top_k(q, pool)
+
+
+def reads_channels_in_place(q, pool) -> bool:
+    """Whether `channel_top_k` has a kernel here that reads the store's pages in place (Triton,
+    or C on the CPU); elsewhere the rows are gathered for `channel_scores`."""
+    return _use_triton(q) or _native_channels(q, pool)
+
+
+def channel_top_k(q, pool, page_offset, page_start, channels, prompt_len, sink, recent, max_len,
+                  chunk, page_rows, k):
+    """TailorKV's top-k tokens, reading the store's key copy in place: one C call on the CPU,
+    the Triton kernel's scores and one torch.topk on CUDA."""
+    if _native_channels(q, pool):
+        return native.channel_top_k(q, pool, page_offset, page_start, channels, prompt_len, sink,
+                                    recent, chunk, page_rows, k)
+    scores = channel_scores_paged(q, pool, page_offset, page_start, channels, prompt_len, sink,
+                                  recent, max_len, chunk, page_rows)
+    return critical_channels.select_tokens(scores, prompt_len, sink, recent, k)
 
 
 def rebuild_keys(a, a_rows, a_positions, a_start, b, slot_chunks, miss_slots, miss_count, rope,

@@ -5,7 +5,7 @@ Each (request, KV head) owns ``k`` slot rows of keys and values in its pages. A 
 ``k`` prompt tokens there; those already resident stay in place (hits), the others are gathered
 from the layer's host store, rows ``[2, head_dim]`` (key, value) of one token of one KV head put
 as ``[h_kv, prompt_len, 2, head_dim]`` under (request, layer), and written into the slots the
-step no longer needs (``core.select.assign_slots``: ShadowKV's hit-cache policy).
+step no longer needs (``ops.assign_slots``: ShadowKV's hit-cache policy).
 
 A fetch has two halves. ``plan_fetch`` decides on the device which slot gets which token and
 starts copying that decision to the host, without waiting; ``SlotFetch.complete`` gathers the
@@ -18,8 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm_shadowkv.core import transfer
-from vllm_shadowkv.core.select import assign_slots
+from vllm_shadowkv.core import ops, transfer
 from vllm_shadowkv.methods.base import LayerContext, RequestRows
 
 
@@ -51,16 +50,19 @@ class SlotFetch:
         dest = miss_slots[req, head, nth].long()
         misses = (miss_count * live.view(-1, 1)).sum(dim=1).tolist()
         if req.numel():
-            device = layer.kv_cache.device
-            staging = transfer.host_staging((req.numel(), 2, pages.shapes.head_size),
-                                            layer.kv_cache)
-            layer.store.gather_many([(r, layer.index) for r in self.req_ids], head,
-                                    slots[req, head, dest], misses, staging)
-            fetched = transfer.to_device_async(staging, device)
-            at = transfer.to_device_async(torch.stack([req, head, dest]), device).unbind()
-            key_rows, value_rows = self._rows
-            pages.write_rows(layer.kv_cache, key_rows[at], fetched[:, 0])
-            pages.write_rows(layer.kv_cache, value_rows[at], fetched[:, 1])
+            device, key_rows, value_rows = layer.kv_cache.device, *self._rows
+            stored = [(r, layer.index) for r in self.req_ids], head, slots[req, head, dest]
+            if device.type == "cpu":  # straight into the slots' rows: no staging copy
+                rows = torch.stack([key_rows[req, head, dest], value_rows[req, head, dest]], 1)
+                layer.store.gather_many(*stored, misses, pages.row_pool(layer.kv_cache), rows)
+            else:
+                staging = transfer.host_staging((req.numel(), 2, pages.shapes.head_size),
+                                                layer.kv_cache)
+                layer.store.gather_many(*stored, misses, staging)
+                fetched = transfer.to_device_async(staging, device)
+                at = transfer.to_device_async(torch.stack([req, head, dest]), device).unbind()
+                pages.write_rows(layer.kv_cache, key_rows[at], fetched[:, 0])
+                pages.write_rows(layer.kv_cache, value_rows[at], fetched[:, 1])
         row_bytes = 2 * pages.row_bytes
         for req_id, count, miss, alive in zip(self.req_ids, wanted_count.tolist(), misses,
                                               live.tolist()):
@@ -78,7 +80,7 @@ def plan_fetch(reqs: list[RequestRows], held: torch.Tensor, wanted: torch.Tensor
     ``held`` (same shape, -1: empty), whose rows in the pages are ``key_rows``/``value_rows``
     ``[n, h, k]``. Returns the slots' new tokens ``[n, h, k]`` int32 (on the device, no host
     sync) and the fetch that brings the missing rows."""
-    slots, miss_slots, miss_count = assign_slots(held, wanted)
+    slots, miss_slots, miss_count = ops.assign_slots(held, wanted)
     return slots, SlotFetch(reqs, wanted, slots, miss_slots, miss_count, key_rows, value_rows)
 
 

@@ -135,12 +135,14 @@ class TailorKVMethod(MiniKVMethod):
         channels = critical_channels(self._channel_query(layer, rows, q),
                                      torch.stack([self._absmax[key] for key in keys]),
                                      s.critical_channels)
-        score = self._scores_in_place if ops.uses_triton(q) else self._scores_gathered
-        scores = score(layer, keys, lens, q, channels, prompt_len)
+        if ops.reads_channels_in_place(q, layer.store_for((CHANNEL_CHUNK,)).pool):
+            wanted = self._top_k_in_place(layer, keys, lens, q, channels, prompt_len, k)
+        else:
+            scores = self._scores_gathered(layer, keys, lens, q, channels, prompt_len)
+            wanted = select_tokens(scores, prompt_len, s.sink, s.recent, k)
         row_bytes = h * s.critical_channels * CHANNEL_CHUNK * self.shapes.elem_bytes
         for req, n in zip(reqs, lens):  # the channel rows read from the store
             layer.stats(req.req_id).bytes_fetched += -(-n // CHANNEL_CHUNK) * row_bytes
-        wanted = select_tokens(scores, prompt_len, s.sink, s.recent, k)
 
         empty = torch.full((h, k), -1, dtype=torch.int32, device=device)
         held = torch.stack([self._slot_tokens.get(key, empty) for key in keys])
@@ -166,10 +168,10 @@ class TailorKVMethod(MiniKVMethod):
         predicted = predicted_query.predicted(layer.index)
         return q if predicted is None else predicted[rows].view_as(q)
 
-    def _scores_in_place(self, layer: LayerContext, keys: list, lens: list[int],
-                         q: torch.Tensor, channels: torch.Tensor,
-                         prompt_len: torch.Tensor) -> torch.Tensor:
-        """The partial scores with the channel rows read where the store keeps them."""
+    def _top_k_in_place(self, layer: LayerContext, keys: list, lens: list[int],
+                        q: torch.Tensor, channels: torch.Tensor, prompt_len: torch.Tensor,
+                        k: int) -> torch.Tensor:
+        """The top-k with the channel rows read where the store keeps them."""
         store = layer.store_for((CHANNEL_CHUNK,))
         offsets, page_start = [], [0]
         for key in keys:
@@ -181,9 +183,9 @@ class TailorKVMethod(MiniKVMethod):
         page_start = transfer.to_device_async(
             torch.tensor(page_start[:-1], dtype=torch.int32), q.device)
         s = self.settings
-        return ops.channel_scores_paged(q, store.pool, torch.cat(offsets), page_start, channels,
-                                        prompt_len, s.sink, s.recent, max(lens), CHANNEL_CHUNK,
-                                        store.page_rows)
+        return ops.channel_top_k(q, store.pool, torch.cat(offsets), page_start, channels,
+                                 prompt_len, s.sink, s.recent, max(lens), CHANNEL_CHUNK,
+                                 store.page_rows, k)
 
     def _scores_gathered(self, layer: LayerContext, keys: list, lens: list[int],
                          q: torch.Tensor, channels: torch.Tensor,
