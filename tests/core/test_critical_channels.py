@@ -279,15 +279,21 @@ def test_kernel_with_ties(group, impl, kernel_device):
     _check_selection(got_ids, want_scores, prompt_len, sink, recent, k)
 
 
-def test_dispatch_routes_channel_scores(monkeypatch, interpreted):
+def _spy(monkeypatch, *targets) -> list[str]:
+    """Each (name, module, function) records its name in the returned list when called."""
     calls = []
-    for name, module, fn in (("cpu", cpu_kernels, "channel_scores"),
-                             ("torch", cc, "channel_scores"),
-                             ("triton-paged", channel_kernels, "channel_scores_paged"),
-                             ("torch-paged", cc, "channel_scores_paged")):
+    for name, module, fn in targets:
         real = getattr(module, fn)
         monkeypatch.setattr(module, fn,
                             lambda *a, name=name, real=real: calls.append(name) or real(*a))
+    return calls
+
+
+def test_dispatch_routes_channel_scores(monkeypatch, interpreted):
+    calls = _spy(monkeypatch, ("cpu", cpu_kernels, "channel_scores"),
+                 ("torch", cc, "channel_scores"),
+                 ("triton-paged", channel_kernels, "channel_scores_paged"),
+                 ("torch-paged", cc, "channel_scores_paged"))
     keys_cm, key_start = _channel_major_pool([30], 1, 16, torch.float32, "cpu")
     channels = torch.zeros(1, 1, 4, dtype=torch.int32)
     args = (torch.randn(1, 2, 16), keys_cm, channels, key_start, _as_i32([30], "cpu"), 2, 2, 30)
@@ -362,13 +368,9 @@ def test_c_top_k_with_ties_and_a_covering_k(k):
 def test_dispatch_routes_channel_top_k(monkeypatch, interpreted):
     """CPU tensors: the C kernel (with a compiler); the reference in "torch" mode; the Triton
     scores and one torch.topk in "triton" mode."""
-    calls = []
-    for name, module, fn in (("c", native, "channel_top_k"),
-                             ("triton-paged", channel_kernels, "channel_scores_paged"),
-                             ("torch-paged", cc, "channel_scores_paged")):
-        real = getattr(module, fn)
-        monkeypatch.setattr(module, fn,
-                            lambda *a, name=name, real=real: calls.append(name) or real(*a))
+    calls = _spy(monkeypatch, ("c", native, "channel_top_k"),
+                 ("triton-paged", channel_kernels, "channel_scores_paged"),
+                 ("torch-paged", cc, "channel_scores_paged"))
     keys_cm, key_start = _channel_major_pool([30], 1, 16, torch.bfloat16, "cpu")
     prompt_len = _as_i32([30], "cpu")
     pool, offsets, starts, _ = _store_pages(keys_cm, key_start, prompt_len, 16, 4, False,

@@ -113,22 +113,13 @@ def channel_scores_paged(
     return channel_scores(q, keys_cm, channels, key_start, prompt_len, sink, recent, max_len)
 
 
-def channel_top_k(
-    q: torch.Tensor,
-    pool: torch.Tensor,
-    page_offset: torch.Tensor,
-    page_start: torch.Tensor,
-    channels: torch.Tensor,
-    prompt_len: torch.Tensor,
-    sink: int,
-    recent: int,
-    max_len: int,
-    chunk: int,
-    page_rows: int,
-    k: int,
-) -> torch.Tensor:
+def channel_top_k(q: torch.Tensor, pool: torch.Tensor, page_offset: torch.Tensor,
+                  page_start: torch.Tensor, channels: torch.Tensor, prompt_len: torch.Tensor,
+                  sink: int, recent: int, max_len: int, chunk: int, page_rows: int,
+                  k: int) -> torch.Tensor:
     """`select_tokens` over `channel_scores_paged`: the step's top-k middle tokens per (request,
-    KV head) read from the store's pages -> [B, h_kv, k] int32, best first, -1 after."""
+    KV head) read from the store's pages -> [B, h_kv, k] int32, -1 after (a set: this
+    reference puts the best first, the C kernel does not)."""
     scores = channel_scores_paged(q, pool, page_offset, page_start, channels, prompt_len, sink,
                                   recent, max_len, chunk, page_rows)
     return select_tokens(scores, prompt_len, sink, recent, k)
