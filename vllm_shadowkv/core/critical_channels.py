@@ -17,7 +17,7 @@ for the host to gather); it is the reference of the Triton kernel in
 vllm_shadowkv.triton_kernels.channel_kernels (same signature). The others are vectorised torch
 used on every device (small tensors, or one torch.topk). `channel_top_k` (`select_tokens` over
 `channel_scores_paged`) is the reference of the CPU's C kernel, which reads the pages in place
-too and keeps the top-k in a heap.
+too and takes the top-k by radix select.
 """
 
 import torch

@@ -9,9 +9,10 @@ sparsity-friendly (S), from ``q_layers`` (layers.py).
   the ``critical_channels`` channels with the largest |q| x max|K|, scores the prompt's middle
   tokens over those channel rows (signed partial dot products), takes the top-k, fetches the
   selected rows that missed the previous step's slots, and attends sink + recent + selected +
-  generated tokens exactly. The Triton path reads the channel rows where the store keeps them
-  (on CUDA from pinned host memory, zero-copy), so a layer waits for the host once: for the
-  missed rows. The CPU path gathers them first (nothing waits on the CPU).
+  generated tokens exactly. The kernels read the channel rows where the store keeps them: the
+  Triton kernel on CUDA from pinned host memory, zero-copy, so a layer waits for the host once,
+  for the missed rows; the C kernel on the CPU, which takes the top-k there too. Without
+  either (the "torch" kernel mode, no C compiler) the rows are gathered first.
 
 Generated tokens collect in the engine's 16-bit ring and are folded every ``residual`` tokens:
 quantized in a Q-layer, as 16-bit rows in an S-layer (never offloaded, never scored)."""
