@@ -19,7 +19,8 @@ GRID = [(g, d, dt) for g in (1, 4, 8) for d in (64, 128) for dt in (torch.float3
 def _store_pages(keys_cm, key_start, prompt_len, chunk, page_rows, one_extent, device):
     """The keys put into a host store as TailorKV keeps them (channel-major rows of ``chunk``
     tokens; small pages, so the keys span several pages and, unless ``one_extent``, several
-    extents) -> (pool, page offsets, first page per request, extents)."""
+    extents) -> (the store, page offsets, first page per request). Keep the store while its
+    pages are read: its extents after the first are freed with it."""
     h_kv, head_dim, _ = keys_cm.shape
     prompts = prompt_len.tolist()
     store = CpuValueStore(1 << 26, keys_cm.dtype, (chunk,), page_rows=page_rows,
@@ -38,17 +39,18 @@ def _store_pages(keys_cm, key_start, prompt_len, chunk, page_rows, one_extent, d
         offsets.append(store.page_offsets(b))
         starts.append(starts[-1] + len(offsets[-1]))
     assert len(store._extents) == 1 or not one_extent
-    return (store.pool, torch.cat(offsets).to(device),
-            torch.tensor(starts[:-1], dtype=torch.int32, device=device), len(store._extents))
+    return (store, torch.cat(offsets).to(device),
+            torch.tensor(starts[:-1], dtype=torch.int32, device=device))
 
 
 def _paged(module, chunk=16, page_rows=4, one_extent=False):
     """A function shaped like `channel_scores` that puts the keys into a host store
     (`_store_pages`), then scores them in place with ``module.channel_scores_paged``."""
     def scores(q, keys_cm, channels, key_start, prompt_len, sink, recent, max_len):
-        pool, offsets, starts, scores.extents = _store_pages(
-            keys_cm, key_start, prompt_len, chunk, page_rows, one_extent, q.device)
-        return module.channel_scores_paged(q, pool, offsets, starts, channels, prompt_len,
+        store, offsets, starts = _store_pages(keys_cm, key_start, prompt_len, chunk, page_rows,
+                                              one_extent, q.device)
+        scores.extents = len(store._extents)
+        return module.channel_scores_paged(q, store.pool, offsets, starts, channels, prompt_len,
                                            sink, recent, max_len, chunk, page_rows)
     return scores
 
@@ -320,12 +322,12 @@ def _c_and_reference(q, keys_cm, key_start, prompt_len, sink, recent, num_channe
     absmax = cc.key_channel_absmax(keys_cm, key_start, prompt_len)
     channels = cc.critical_channels(q, absmax, num_channels)
     chunk, page_rows, max_len = 16, 4, int(prompt_len.max())
-    pool, offsets, starts, extents = _store_pages(keys_cm, key_start, prompt_len, chunk,
-                                                  page_rows, one_extent, q.device)
-    assert extents > 1 or one_extent
-    assert native.supports_channel_top_k(q, pool)
-    got = native.channel_top_k(q, pool, offsets, starts, channels, prompt_len, sink, recent,
-                               chunk, page_rows, k)
+    store, offsets, starts = _store_pages(keys_cm, key_start, prompt_len, chunk, page_rows,
+                                          one_extent, q.device)
+    assert len(store._extents) > 1 or one_extent
+    assert native.supports_channel_top_k(q, store.pool)
+    got = native.channel_top_k(q, store.pool, offsets, starts, channels, prompt_len, sink,
+                               recent, chunk, page_rows, k)
     scores = cc.channel_scores(q, keys_cm, channels, key_start, prompt_len, sink, recent,
                                max_len)
     return got, cc.select_tokens(scores, prompt_len, sink, recent, k), scores
@@ -373,8 +375,9 @@ def test_dispatch_routes_channel_top_k(monkeypatch, interpreted):
                  ("torch-paged", cc, "channel_scores_paged"))
     keys_cm, key_start = _channel_major_pool([30], 1, 16, torch.bfloat16, "cpu")
     prompt_len = _as_i32([30], "cpu")
-    pool, offsets, starts, _ = _store_pages(keys_cm, key_start, prompt_len, 16, 4, False,
-                                            torch.device("cpu"))
+    store, offsets, starts = _store_pages(keys_cm, key_start, prompt_len, 16, 4, False,
+                                          torch.device("cpu"))
+    pool = store.pool
     q = torch.randn(1, 2, 16).to(torch.bfloat16)
     args = (q, pool, offsets, starts, torch.zeros(1, 1, 4, dtype=torch.int32), prompt_len, 2, 2,
             30, 16, 4, 5)
