@@ -1,7 +1,8 @@
 """TailorKV's S-layer selection on the CPU, one layer at Llama-3.1-8B shapes (8 KV heads of 128,
 32 query heads, bf16): the C kernel (critical-channel scores read from the store's pages in
-place, radix-select top-k) against the torch path it replaced (the compiled scores over the
-critical channels' rows, already gathered, then torch.topk; the gather is not counted).
+place, radix-select top-k) against the torch path it replaced (the compiled scores, which take
+the critical channels' rows out of keys held channel-major in one tensor, then torch.topk; the
+gather out of the store's pages is not counted).
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_channel_top_k.py --out DIR
 """
@@ -47,16 +48,12 @@ def measure(context: int, batch: int, k: int, d_s: int, sink: int, recent: int,
     args = (q, store.pool, torch.cat(offsets), torch.tensor(starts[:-1], dtype=torch.int32),
             channels, lens, sink, recent)
     c_ms = _timed(lambda: native.channel_top_k(*args, CHUNK, PAGE_ROWS, k), reps)
-    # The torch path's input: each request's critical channels' rows, gathered [h, d_s, N].
-    keys_cm = torch.cat([keys[b].gather(1, channels[b].long().unsqueeze(-1).expand(
-        -1, -1, keys.shape[-1])) for b in range(batch)], dim=2)
-    own = torch.arange(d_s, dtype=torch.int32).expand(batch, H_KV, d_s).contiguous()
-    q_crit = q.view(batch, H_KV, H_Q // H_KV, D).gather(
-        3, channels.long().unsqueeze(2).expand(-1, -1, H_Q // H_KV, -1)).flatten(1, 2)
+    # The torch path reads the keys channel-major, request b's at columns [b * N, (b + 1) * N).
+    keys_cm = keys.permute(1, 2, 0, 3).reshape(H_KV, D, -1)
     key_start = torch.arange(batch, dtype=torch.int32) * chunks * CHUNK
 
     def torch_path():
-        scores = ops.channel_scores(q_crit, keys_cm, own, key_start, lens, sink, recent, context)
+        scores = ops.channel_scores(q, keys_cm, channels, key_start, lens, sink, recent, context)
         return cc.select_tokens(scores, lens, sink, recent, k)
 
     torch_ms = _timed(torch_path, reps)

@@ -12,6 +12,8 @@ from vllm_shadowkv.core import critical_channels as cc
 from vllm_shadowkv.store import CpuValueStore
 from vllm_shadowkv.triton_kernels import channel_kernels
 
+from test_kernels import needs_native
+
 PROMPTS = [300, 0, 37, 129, 1000]  # irregular; empty; shorter than sink + recent
 GRID = [(g, d, dt) for g in (1, 4, 8) for d in (64, 128) for dt in (torch.float32, torch.bfloat16)]
 
@@ -311,9 +313,6 @@ def test_dispatch_routes_channel_scores(monkeypatch, interpreted):
                      "torch-paged", "torch"]  # (the paged reference gathers, then scores)
 
 
-_needs_native = pytest.mark.skipif(native.library() is None, reason="no C compiler")
-
-
 def _c_and_reference(q, keys_cm, key_start, prompt_len, sink, recent, num_channels, k,
                      one_extent=False):
     """The C top-k over the keys in store pages, and the reference's scores and ids over the
@@ -333,7 +332,7 @@ def _c_and_reference(q, keys_cm, key_start, prompt_len, sink, recent, num_channe
     return got, cc.select_tokens(scores, prompt_len, sink, recent, k), scores
 
 
-@_needs_native
+@needs_native
 @pytest.mark.parametrize("group,head_dim,dtype", GRID + [(4, 128, torch.float16)])
 def test_c_top_k_matches_reference(group, head_dim, dtype):
     """The same set as the reference's, on irregular prompts (one empty, one shorter than sink
@@ -348,7 +347,7 @@ def test_c_top_k_matches_reference(group, head_dim, dtype):
     assert torch.equal(got >= 0, want >= 0)
 
 
-@_needs_native
+@needs_native
 @pytest.mark.parametrize("k", [1, 50, 2000])
 def test_c_top_k_with_ties_and_a_covering_k(k):
     """Few distinct key values: many equal scores (the selected scores match as a set); a k
@@ -395,7 +394,7 @@ def test_dispatch_routes_channel_top_k(monkeypatch, interpreted):
         assert torch.equal(got >= 0, results[0] >= 0)
 
 
-@_needs_native
+@needs_native
 def test_c_top_k_among_equal_scores_takes_the_earliest_tokens():
     h_kv, head_dim, sink, recent, k = 2, 16, 3, 5, 10
     keys_cm, key_start = _channel_major_pool([300], h_kv, head_dim, torch.bfloat16, "cpu")

@@ -15,11 +15,11 @@ from vllm_shadowkv.core.store import InMemoryValueStore
 
 from core_dense import dense_attention
 from core_rope_util import default_rope
+from test_kernels import needs_native
 
 
-ASSIGN = [pytest.param(assign_slots, id="torch"), pytest.param(
-    native.assign_slots, id="c",
-    marks=pytest.mark.skipif(native.library() is None, reason="no C compiler"))]
+ASSIGN = [pytest.param(assign_slots, id="torch"),
+          pytest.param(native.assign_slots, id="c", marks=needs_native)]
 
 
 @pytest.mark.parametrize("assign_slots", ASSIGN)
