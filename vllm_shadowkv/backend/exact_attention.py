@@ -22,6 +22,18 @@ def exact_view(kv_cache: torch.Tensor, layout: PageLayout) -> torch.Tensor:
     return pages.view(-1, layout.exact_per_page, 2, h, d)
 
 
+def exact_rows(kv_cache: torch.Tensor, layout: PageLayout, blocks: torch.Tensor,
+               slots: torch.Tensor) -> torch.Tensor:
+    """Where exact tokens' keys and values lie as rows of ``kv_cache.view(-1, d)``: tokens at
+    ``blocks``, ``slots`` ``[B, T]`` -> row ids ``[2 (k, v), B, h_kv, T]`` int64 (the same for
+    every layer: their caches share the layout)."""
+    pages = exact_view(kv_cache, layout)
+    s_page, s_token, s_kv, s_head = (s // pages.shape[-1] for s in pages.stride()[:4])
+    token = (blocks * s_page + slots * s_token).unsqueeze(1)  # [B, 1, T]
+    heads = torch.arange(pages.shape[3], device=token.device).view(1, -1, 1) * s_head
+    return torch.stack([token + heads + kv * s_kv for kv in (0, 1)])
+
+
 def read_exact(kv_cache, layout: PageLayout, prompt_len: int, block_ids, positions):
     """Keys and values ``[n, h_kv, d]`` of exact tokens at ``positions``."""
     blocks, slots = layout.exact_token_slots(prompt_len, block_ids, positions)

@@ -6,9 +6,11 @@ budget per layer, quantized KIVI-style into the pages; generated tokens collect 
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
-from vllm_shadowkv.backend.exact_attention import causal_attention, exact_view
+from vllm_shadowkv.backend.exact_attention import causal_attention, exact_rows, exact_view
 from vllm_shadowkv.core import ops
 from vllm_shadowkv.core.attention import attention_with_lse, merge_attention
 from vllm_shadowkv.core.fidelity import chunk_attention_mass, measure_fidelity
@@ -19,6 +21,27 @@ from vllm_shadowkv.methods.minikv.pages import BatchPlan, LayerShape, MiniKVPage
 from vllm_shadowkv.methods.minikv.settings import EXACT_BITS, MiniKVSettings
 
 FIDELITY_TOP_TOKENS = 64  # recall of each KV head's most attended prompt tokens
+
+
+@dataclass
+class Ring:
+    """A step's 16-bit generated tokens not folded yet (``MiniKVMethod._ring``), padded."""
+
+    key: tuple  # the step's requests, lengths and rows
+    blocks: torch.Tensor  # [B, R] int64: where token j of request b is
+    slots: torch.Tensor  # [B, R] int64
+    before: torch.Tensor  # [B] int64: the tokens before the step's own
+    mask: torch.Tensor  # [B, 1, s_q, R] bool: key j seen by query row i
+    no_slots: torch.Tensor  # [B, h, 0] int32 (``ops.decode_attention`` attends no slots here)
+    _rows: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def rows(self, layer: LayerContext) -> torch.Tensor:
+        """The tokens' K/V as rows of the layer's cache ``[2, B, h, R]`` int64 (layers whose
+        pages have one size share them)."""
+        page = layer.kv_cache.stride(0)
+        if page not in self._rows:
+            self._rows[page] = exact_rows(layer.kv_cache, layer.layout, self.blocks, self.slots)
+        return self._rows[page]
 
 
 class MiniKVMethod(KVMethod):
@@ -40,7 +63,7 @@ class MiniKVMethod(KVMethod):
         self._scores: dict[tuple[str, int], torch.Tensor] = {}
         self._plans: dict[tuple[str, LayerShape], RequestPlan] = {}
         self._batch_plans: dict[tuple, BatchPlan] = {}
-        self._ring_index: tuple[tuple, tuple] | None = None
+        self._ring_index: Ring | None = None
         self._kept: dict[tuple[str, int], torch.Tensor] = {}
 
     @classmethod
@@ -148,29 +171,26 @@ class MiniKVMethod(KVMethod):
         plans = [self._caught_up_plan(layer, r, s_q) for r in reqs]
         batch = self._batch_plan(reqs, plans)
 
-        # Exact part: the 16-bit rows (every query row sees them), the ring (causal) and the
-        # guess rows' own K/V, from the step's tensors (seen by the guess rows, causal).
-        ring_k, ring_v, ring_mask = self._ring(layer, reqs, s_q)
-        pool = self.pages.row_pool(layer.kv_cache)
-        width = batch.key_rows.shape[2]
-        row_mask = torch.arange(width, device=q.device) < batch.row_count.view(-1, 1)
-        step = torch.arange(s_q, device=q.device)
-        guess_k, guess_v = (t[rows].unflatten(0, (n, s_q))[:, s_q - guess:].transpose(1, 2)
-                            for t in (key, value))  # [B, h, guess, d]
-        guess_mask = step.view(-1, 1) >= s_q - guess + step[:guess]
-        keys = torch.cat([pool[batch.key_rows], ring_k, guess_k], dim=2)  # [B, h, T + R + u, d]
-        values = torch.cat([pool[batch.value_rows], ring_v, guess_v], dim=2)
-        mask = torch.cat([row_mask.view(n, 1, 1, width).expand(-1, -1, s_q, -1), ring_mask,
-                          guess_mask.expand(n, 1, -1, -1)], -1)
-        result, lse = attention_with_lse(q, keys, values, mask, layer.scale)
+        ring = self._ring(layer, reqs, s_q)
+        if guess == 0:  # the 16-bit rows, then the ring (causal): all in the pages, read there
+            ring_k, ring_v = ring.rows(layer)
+            result, lse = ops.decode_attention(
+                q, self.pages.row_pool(layer.kv_cache), torch.cat([batch.key_rows, ring_k], 2),
+                torch.cat([batch.value_rows, ring_v], 2), batch.key_rows.shape[2],
+                batch.row_count, ring.no_slots, 1, ring.before, layer.scale)
+        else:
+            result, lse = self._attend_with_guess(layer, batch, ring, guess, q, key, value,
+                                                  rows)
         if self.pages.fmt is not None and int(batch.group_count.max()) > 0:
             result = self._merge_quantized(layer, reqs, plans, q, batch, result, lse)
         out[rows] = result.flatten(0, 1)
 
-        ring = self.settings.residual
+        residual, ring_kv = self.settings.residual, None
         for i, (req, plan) in enumerate(zip(reqs, plans)):
-            if (req.committed_len - req.prompt_len) % ring == 0:  # this step filled the ring
-                self._fold(layer, req, plan, ring_k[i, :, :ring], ring_v[i, :, :ring])
+            if (req.committed_len - req.prompt_len) % residual == 0:  # the ring is full
+                ring_kv = ring_kv or self._ring_kv(layer, ring)
+                self._fold(layer, req, plan, ring_kv[0][i, :, :residual],
+                           ring_kv[1][i, :, :residual])
             stats = layer.stats(req.req_id)
             stats.decode_steps += 1
             stats.selected += self._selected(layer.index, req)
@@ -200,20 +220,38 @@ class MiniKVMethod(KVMethod):
         out, _ = merge_attention([out_exact, out_q], [lse_exact, lse_q])
         return out
 
-    def _ring(self, layer: LayerContext, reqs: list[RequestRows], s_q: int):
-        """The 16-bit generated tokens not folded yet, this step's committed ones included: K/V
-        ``[B, h, R, d]`` (position order, padded) and the causal mask ``[B, 1, s_q, R]``."""
-        # Shared by the layers. The rows count too: a request's seq_len recurs when a step
-        # without a guess row follows one with it (vLLM drafts nothing past max_model_len).
-        key = (tuple((r.req_id, r.seq_len) for r in reqs), s_q, reqs[0].guess)
-        if self._ring_index is None or self._ring_index[0] != key:
-            self._ring_index = (key, self._ring_slots(layer, reqs, s_q))
-        blocks, slots, mask = self._ring_index[1]
-        kv = exact_view(layer.kv_cache, layer.layout)[blocks, slots]  # [B, R, 2, h, d]
-        kv = kv.permute(2, 0, 3, 1, 4)
-        return kv[0], kv[1], mask
+    def _attend_with_guess(self, layer: LayerContext, batch: BatchPlan, ring: Ring, guess: int,
+                           q: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                           rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The exact part of a step with guess rows: their K/V are the step's own, not in the
+        pages, so every part is gathered and masked (the guess rows see what the last committed
+        row sees, and the guesses before them)."""
+        n, s_q, device = q.shape[0], q.shape[1], q.device
+        ring_k, ring_v = self._ring_kv(layer, ring)
+        step = torch.arange(s_q, device=device)
+        guess_k, guess_v = (t[rows].unflatten(0, (n, s_q))[:, s_q - guess:].transpose(1, 2)
+                            for t in (key, value))  # [B, h, guess, d]
+        guess_mask = step.view(-1, 1) >= s_q - guess + step[:guess]
+        pool, width = self.pages.row_pool(layer.kv_cache), batch.key_rows.shape[2]
+        row_mask = torch.arange(width, device=device) < batch.row_count.view(-1, 1)
+        keys = torch.cat([pool[batch.key_rows], ring_k, guess_k], dim=2)  # [B, h, T + R + u, d]
+        values = torch.cat([pool[batch.value_rows], ring_v, guess_v], dim=2)
+        mask = torch.cat([row_mask.view(n, 1, 1, width).expand(-1, -1, s_q, -1), ring.mask,
+                          guess_mask.expand(n, 1, -1, -1)], -1)
+        return attention_with_lse(q, keys, values, mask, layer.scale)
 
-    def _ring_slots(self, layer: LayerContext, reqs: list[RequestRows], s_q: int):
+    def _ring(self, layer: LayerContext, reqs: list[RequestRows], s_q: int) -> Ring:
+        """The 16-bit generated tokens not folded yet, this step's committed ones included (shared
+        by the layers: built in the step's first). The rows count too: a request's seq_len
+        recurs when a step without a guess row follows one with it (vLLM drafts nothing past
+        max_model_len)."""
+        key = (tuple((r.req_id, r.seq_len) for r in reqs), s_q, reqs[0].guess)
+        if self._ring_index is None or self._ring_index.key != key:
+            self._ring_index = self._ring_slots(layer, reqs, s_q, key)
+        return self._ring_index
+
+    def _ring_slots(self, layer: LayerContext, reqs: list[RequestRows], s_q: int,
+                    key: tuple) -> Ring:
         ring, device = self.settings.residual, layer.kv_cache.device
         blocks, slots, before = [], [], []
         for r in reqs:
@@ -226,12 +264,22 @@ class MiniKVMethod(KVMethod):
             before.append(generated - folded - committed)
         blocks = torch.nn.utils.rnn.pad_sequence(blocks, batch_first=True)
         slots = torch.nn.utils.rnn.pad_sequence(slots, batch_first=True)
+        before = torch.tensor(before, device=device)
         # Key j of request b is visible to its query row i when j <= before[b] + i; a guess
         # row sees what the last committed row sees (the whole ring, not the padding).
-        limit = torch.tensor(before, device=device).view(-1, 1, 1, 1) + torch.arange(
-            s_q, device=device).clamp(max=s_q - reqs[0].guess - 1).view(1, 1, -1, 1)
-        mask = torch.arange(blocks.shape[1], device=device) <= limit
-        return blocks, slots, mask
+        limit = before.view(-1, 1, 1, 1) + torch.arange(s_q, device=device).clamp(
+            max=s_q - reqs[0].guess - 1).view(1, 1, -1, 1)
+        return Ring(key, blocks, slots, before,
+                    torch.arange(blocks.shape[1], device=device) <= limit,
+                    torch.empty(len(reqs), self.shapes.num_kv_heads, 0, dtype=torch.int32,
+                                device=device))
+
+    @staticmethod
+    def _ring_kv(layer: LayerContext, ring: Ring) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ring's K/V ``[B, h, R, d]`` each (copies)."""
+        kv = exact_view(layer.kv_cache, layer.layout)[ring.blocks, ring.slots]  # [B, R, 2, h, d]
+        kv = kv.permute(2, 0, 3, 1, 4)
+        return kv[0], kv[1]
 
     def _fold(self, layer: LayerContext, req: RequestRows, plan: RequestPlan,
               ring_k: torch.Tensor, ring_v: torch.Tensor) -> None:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm_shadowkv.backend.exact_attention import causal_attention, exact_view
+from vllm_shadowkv.backend.exact_attention import causal_attention, exact_rows, exact_view
 from vllm_shadowkv.core import ops, transfer
 from vllm_shadowkv.core.compress import compress_prompt
 from vllm_shadowkv.core.decode import decode_step
@@ -188,11 +188,7 @@ class ShadowKVMethod(KVMethod):
         """The rows of the same K/V in the layer cache viewed ``[N, d]``, [2, B, h, G + s_q]
         (every layer's the same: built in the step's first)."""
         if step.gen_rows is None:
-            pages = exact_view(layer.kv_cache, layer.layout)
-            s_page, s_token, s_kv, s_head = (s // pages.shape[-1] for s in pages.stride()[:4])
-            token = step.blocks * s_page + step.within * s_token  # [B, G]
-            heads = torch.arange(pages.shape[3], device=token.device).view(1, -1, 1) * s_head
-            step.gen_rows = torch.stack([token.unsqueeze(1) + heads + kv * s_kv for kv in (0, 1)])
+            step.gen_rows = exact_rows(layer.kv_cache, layer.layout, step.blocks, step.within)
         return step.gen_rows
 
     def _record_fidelity(self, layer: LayerContext, req: RequestRows, reference, outliers,
