@@ -10,6 +10,7 @@ from vllm_shadowkv.backend.exact_attention import causal_attention, write_exact
 from vllm_shadowkv.backend.layout import PageLayout
 from vllm_shadowkv.backend.worker_state import RequestStats
 from vllm_shadowkv.config import parse_settings
+from vllm_shadowkv.core import ops
 from vllm_shadowkv.core.attention import attention_with_lse_reference
 from vllm_shadowkv.core.heavy_hitters import accumulate_column_sums, select_heavy_hitters
 from vllm_shadowkv.core.kivi import KiviFormat, dequantize_groups, quantize_groups
@@ -219,8 +220,9 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_decode_from_pages_equals_the_reference(case):
+@pytest.mark.parametrize("mode", ["auto", "torch"])  # the 16-bit rows read in place by C, or
+@pytest.mark.parametrize("case", list(CASES))       # gathered for the torch reference
+def test_decode_from_pages_equals_the_reference(case, mode):
     """Prefill in chunks (column sums accumulated), finalize into permuted pages, then decode
     with two folds of the ring: each step equals the reference recomputed from scratch."""
     settings = CASES[case]
@@ -231,7 +233,8 @@ def test_decode_from_pages_equals_the_reference(case):
     assert not method._scores  # the column sums are freed at finalize
     fmt = method.pages.fmt
     for s in range(p + 1, p + gen + 1):
-        out = world.step({"r": s})["r"]
+        with ops.kernel_mode(mode):
+            out = world.step({"r": s})["r"]
         want = reference_output(world, "r", s, fmt)
         torch.testing.assert_close(out.float(), want, atol=2e-5, rtol=2e-5)
     stats = world.stats["r"]
