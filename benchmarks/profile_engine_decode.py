@@ -10,7 +10,9 @@ kernels, then ``--steps`` decode steps run under cProfile. With ``--prefill``, t
 steps are profiled instead (up to every request's first token, after a 1K-token request has
 warmed the engine): where a method's TTFT goes. Written: ms per step (cProfile's overhead
 included), the functions by cumulative time and by their own time. For where the time goes,
-not for ratios (benchmarks/throughput.py).
+not for ratios (benchmarks/throughput.py). With ``--wall`` no profiler runs: the ms per step and
+per attention layer (the backend's KV write and attention calls, this package's or vLLM's CPU
+backend's), by the clock.
 """
 
 import argparse
@@ -34,6 +36,8 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="default: the local llama8b-shape model")
     parser.add_argument("--prefill", action="store_true",
                         help="profile the prefill steps, not decode steps")
+    parser.add_argument("--wall", action="store_true",
+                        help="no profiler: wall time per step and per attention layer")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process
@@ -77,26 +81,56 @@ def main() -> None:
     if not args.prefill:  # the prefills (several steps when chunked), then 3 decode steps
         while not prefilled() or min(generated.values()) < 4:
             step()
-    profiler = cProfile.Profile()
+    attention = _time_attention(args.method)  # from here on
+    profiler = None if args.wall else cProfile.Profile()
     start, steps = time.perf_counter(), 0
-    profiler.enable()
+    if profiler:
+        profiler.enable()
     while engine.has_unfinished_requests() and (not prefilled() if args.prefill
                                                  else steps < args.steps):
         step()
         steps += 1
-    profiler.disable()
     per_step = 1000 * (time.perf_counter() - start) / steps
     text = io.StringIO()
-    stats = pstats.Stats(profiler, stream=text)
-    stats.sort_stats("cumulative").print_stats(60)
-    stats.sort_stats("tottime").print_stats(40)  # where the time is spent, op by op
+    if profiler:
+        profiler.disable()
+        stats = pstats.Stats(profiler, stream=text)
+        stats.sort_stats("cumulative").print_stats(60)
+        stats.sort_stats("tottime").print_stats(40)  # where the time is spent, op by op
+    layers = attention[1] / steps
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(f"{args.method} at {args.context} tokens x {args.requests} requests, "
                         f"settings {args.settings}: "
                         f"{per_step:.1f} ms per {'prefill' if args.prefill else 'decode'} step "
-                        f"over {steps} steps (under cProfile)"
+                        f"over {steps} steps ({'wall' if args.wall else 'under cProfile'}); "
+                        f"attention {1000 * attention[0] / steps:.1f} ms of it, "
+                        f"{1e6 * attention[0] / steps / layers:.0f} us per layer"
                         f"\n{text.getvalue()}")
     print(f"{per_step:.1f} ms per step; wrote {args.out}")
+
+
+def _time_attention(method: str) -> list:
+    """Adds up the wall time of the attention backend's calls (KV write and attention) into
+    [seconds, attention calls]."""
+    if method == "default":
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl as impl
+    else:
+        from vllm_shadowkv.backend.attention import EngineImpl as impl
+    total = [0.0, 0]
+
+    def timed(call, counted: bool):
+        def run(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return call(*args, **kwargs)
+            finally:
+                total[0] += time.perf_counter() - start
+                total[1] += counted
+        return run
+
+    impl.forward = timed(impl.forward, True)
+    impl.do_kv_cache_update = timed(impl.do_kv_cache_update, False)
+    return total
 
 
 if __name__ == "__main__":

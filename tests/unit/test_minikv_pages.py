@@ -169,8 +169,8 @@ class World:
 
 def reference_output(world: World, r: str, seq_len: int, fmt: KiviFormat | None):
     """Decode of the last token of ``seq_len`` recomputed from the K/V alone: H2O scores of
-    the whole prompt (or its score window) in one pass, pooled, the kept tokens, KIVI round trip of whole groups (prompt and
-    each folded ring), exact attention over all of it."""
+    the whole prompt (or its score window) in one pass, pooled, the kept tokens, KIVI round
+    trip of whole groups (prompt and each folded ring), exact attention over all of it."""
     m, p = world.method, world.prompt[r]
     s, h = m.settings, m.shapes.num_kv_heads
     k, v, q = world.k[r], world.v[r], world.q[r]
