@@ -26,7 +26,7 @@ def exact_rows(kv_cache: torch.Tensor, layout: PageLayout, blocks: torch.Tensor,
                slots: torch.Tensor) -> torch.Tensor:
     """Where exact tokens' keys and values lie as rows of ``kv_cache.view(-1, d)``: tokens at
     ``blocks``, ``slots`` ``[B, T]`` -> row ids ``[2 (k, v), B, h_kv, T]`` int64 (the same for
-    every layer: their caches share the layout)."""
+    every layer whose pages have this one's size)."""
     pages = exact_view(kv_cache, layout)
     s_page, s_token, s_kv, s_head = (s // pages.shape[-1] for s in pages.stride()[:4])
     token = (blocks * s_page + slots * s_token).unsqueeze(1)  # [B, 1, T]
