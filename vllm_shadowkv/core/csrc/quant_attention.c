@@ -91,6 +91,44 @@ static void group_scores(const struct format *f, const int32_t *codes, const flo
     }
 }
 
+/* The same at 1 bit, with no unpacking. A key channel is its zero, or zero + scale where its
+ * bit is set, so q . k = q . zero + the sum of q * scale over the set bits: each 16 channels'
+ * bits mask the additions of the row's scaled query (qs, rows x d) to the row's q . zero (qz). */
+static void group_scores_1bit(const struct format *f, const int32_t *codes, const float *qs,
+                              const float *qz, int nq, float scale, float *p) {
+    const int nv = f->vectors, d = f->d, n = f->group;
+    for (int i = 0; i < n; i++) {
+        const int32_t *words = codes + (int64_t)i * f->words;
+        for (int r = 0; r < nq; r += 4) {
+            __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+            for (int v = 0; v < nv; v++) {  /* channels [16 v, 16 v + 16): half a word */
+                const __mmask16 m = (__mmask16)((uint32_t)words[v / 2] >> (16 * (v % 2)));
+                a0 = _mm512_mask_add_ps(a0, m, a0, _mm512_loadu_ps(qs + r * d + 16 * v));
+                a1 = _mm512_mask_add_ps(a1, m, a1, _mm512_loadu_ps(qs + (r + 1) * d + 16 * v));
+                a2 = _mm512_mask_add_ps(a2, m, a2, _mm512_loadu_ps(qs + (r + 2) * d + 16 * v));
+                a3 = _mm512_mask_add_ps(a3, m, a3, _mm512_loadu_ps(qs + (r + 3) * d + 16 * v));
+            }
+            float four[4];
+            _mm_storeu_ps(four, sum4(a0, a1, a2, a3));
+            for (int u = 0; u < 4; u++) p[(r + u) * n + i] = (four[u] + qz[r + u]) * scale;
+        }
+    }
+}
+
+/* qs = each query row times the group's key scales, qz = each row . its key zeros. */
+static void scale_queries(const float *qf, int rows, int d, const float *k_scale,
+                          const float *k_zero, float *qs, float *qz) {
+    for (int r = 0; r < rows; r++) {
+        __m512 dot = _mm512_setzero_ps();
+        for (int c = 0; c < d; c += 16) {
+            const __m512 q = _mm512_loadu_ps(qf + r * d + c);
+            _mm512_storeu_ps(qs + r * d + c, _mm512_mul_ps(q, _mm512_loadu_ps(k_scale + c)));
+            dot = _mm512_fmadd_ps(q, _mm512_loadu_ps(k_zero + c), dot);
+        }
+        qz[r] = _mm512_reduce_add_ps(dot);
+    }
+}
+
 /* acc[r] += sum_i p[r * n + i] * value i, each 16 channels of a value dequantized in a
  * register once per four rows (value_group a multiple of 16: one scale per vector). */
 static void group_add_values(const struct format *f, const int32_t *codes, const float *v_scale,
@@ -214,8 +252,9 @@ int quant_attention(const void *q, int q_dtype, int batch, int s_q, int h_q, int
     float *qf = calloc((size_t)rows * d, sizeof(float)), *acc = malloc(sizeof(float) * rows * d),
           *kv = malloc(sizeof(float) * group * d), *p = calloc((size_t)rows * group, sizeof(float)),
           *params = malloc(sizeof(float) * 2 * (d + group * per_token)),
-          *m = malloc(sizeof(float) * nq), *l_sum = malloc(sizeof(float) * nq);
-    int status = !(qf && acc && kv && p && params && m && l_sum);
+          *m = malloc(sizeof(float) * nq), *l_sum = malloc(sizeof(float) * nq),
+          *qs = malloc(sizeof(float) * rows * (d + 1)), *qz = qs + (int64_t)rows * d;
+    int status = !(qf && acc && kv && p && params && m && l_sum && qs);
     float *k_scale = params, *k_zero = k_scale + d, *v_scale = k_zero + d,
           *v_zero = v_scale + group * per_token;
     for (int b = 0; b < batch && !status; b++)
@@ -238,7 +277,10 @@ int quant_attention(const void *q, int q_dtype, int batch, int s_q, int h_q, int
                 to_f32(at(&fields[1], entry, h), param_dtype, d, k_scale);
                 to_f32(at(&fields[2], entry, h), param_dtype, d, k_zero);
 #if defined(__AVX512F__)
-                if (vector_keys)
+                if (vector_keys && bits == 1) {
+                    scale_queries(qf, rows, d, k_scale, k_zero, qs, qz);
+                    group_scores_1bit(&f, k_codes, qs, qz, rows, scale, p);
+                } else if (vector_keys)
                     group_scores(&f, k_codes, k_scale, k_zero, qf, rows, scale, p);
 #endif
                 if (!vector_keys) {
@@ -277,6 +319,6 @@ int quant_attention(const void *q, int q_dtype, int batch, int s_q, int h_q, int
                 lse[row] = l_sum[r] > 0.f ? m[r] + logf(l_sum[r]) : -INFINITY;
             }
         }
-    free(qf), free(acc), free(kv), free(p), free(params), free(m), free(l_sum);
+    free(qf), free(acc), free(kv), free(p), free(params), free(m), free(l_sum), free(qs);
     return status;
 }
