@@ -157,7 +157,8 @@ def rebuild_keys(a, a_rows, a_positions, a_start, b, slot_chunks, miss_slots, mi
 
 def decode_attention(q, rows, k_rows, v_rows, exact_width, exact_len, slot_chunks, chunk_size,
                      gen_before, scale):
-    """The CPU step's attention over its rows in place (the only caller is that step)."""
+    """Attention over K/V rows where they lie in the pages: ShadowKV's CPU step, and the
+    16-bit rows and ring of the MiniKV family's steps (C on the CPU, else the reference)."""
     impl = (native if compiled_cpu(q) and native.supports_decode_attention(q, rows)
             else attention)
     return impl.decode_attention(q, rows, k_rows, v_rows, exact_width, exact_len, slot_chunks,
