@@ -34,6 +34,14 @@ def exact_rows(kv_cache: torch.Tensor, layout: PageLayout, blocks: torch.Tensor,
     return torch.stack([token + heads + kv * s_kv for kv in (0, 1)])
 
 
+def exact_kv(kv_cache: torch.Tensor, layout: PageLayout, blocks: torch.Tensor,
+             slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values ``[B, h_kv, T, d]`` (copies) of exact tokens at ``blocks``, ``slots``
+    ``[B, T]``."""
+    kv = exact_view(kv_cache, layout)[blocks, slots].permute(2, 0, 3, 1, 4)  # [2, B, h, T, d]
+    return kv[0], kv[1]
+
+
 def read_exact(kv_cache, layout: PageLayout, prompt_len: int, block_ids, positions):
     """Keys and values ``[n, h_kv, d]`` of exact tokens at ``positions``."""
     blocks, slots = layout.exact_token_slots(prompt_len, block_ids, positions)

@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from vllm_shadowkv.backend.exact_attention import causal_attention, exact_rows, exact_view
+from vllm_shadowkv.backend.exact_attention import (causal_attention, exact_kv, exact_rows,
+                                                   exact_view)
 from vllm_shadowkv.core import ops
 from vllm_shadowkv.core.attention import attention_with_lse, merge_attention
 from vllm_shadowkv.core.fidelity import chunk_attention_mass, measure_fidelity
@@ -31,7 +32,6 @@ class Ring:
     blocks: torch.Tensor  # [B, R] int64: where token j of request b is
     slots: torch.Tensor  # [B, R] int64
     before: torch.Tensor  # [B] int64: the tokens before the step's own
-    mask: torch.Tensor  # [B, 1, s_q, R] bool: key j seen by query row i
     no_slots: torch.Tensor  # [B, h, 0] int32 (``ops.decode_attention`` attends no slots here)
     _rows: dict[int, torch.Tensor] = field(default_factory=dict)
 
@@ -188,7 +188,8 @@ class MiniKVMethod(KVMethod):
         residual, ring_kv = self.settings.residual, None
         for i, (req, plan) in enumerate(zip(reqs, plans)):
             if (req.committed_len - req.prompt_len) % residual == 0:  # the ring is full
-                ring_kv = ring_kv or self._ring_kv(layer, ring)
+                ring_kv = ring_kv or exact_kv(layer.kv_cache, layer.layout, ring.blocks,
+                                               ring.slots)
                 self._fold(layer, req, plan, ring_kv[0][i, :, :residual],
                            ring_kv[1][i, :, :residual])
             stats = layer.stats(req.req_id)
@@ -227,7 +228,7 @@ class MiniKVMethod(KVMethod):
         pages, so every part is gathered and masked (the guess rows see what the last committed
         row sees, and the guesses before them)."""
         n, s_q, device = q.shape[0], q.shape[1], q.device
-        ring_k, ring_v = self._ring_kv(layer, ring)
+        ring_k, ring_v = exact_kv(layer.kv_cache, layer.layout, ring.blocks, ring.slots)
         step = torch.arange(s_q, device=device)
         guess_k, guess_v = (t[rows].unflatten(0, (n, s_q))[:, s_q - guess:].transpose(1, 2)
                             for t in (key, value))  # [B, h, guess, d]
@@ -236,7 +237,12 @@ class MiniKVMethod(KVMethod):
         row_mask = torch.arange(width, device=device) < batch.row_count.view(-1, 1)
         keys = torch.cat([pool[batch.key_rows], ring_k, guess_k], dim=2)  # [B, h, T + R + u, d]
         values = torch.cat([pool[batch.value_rows], ring_v, guess_v], dim=2)
-        mask = torch.cat([row_mask.view(n, 1, 1, width).expand(-1, -1, s_q, -1), ring.mask,
+        # Ring token j is visible to query row i when j <= before + i; a guess row sees what
+        # the last committed row sees (the whole ring, not the padding).
+        ring_mask = torch.arange(ring.blocks.shape[1], device=device) <= (
+            ring.before.view(-1, 1, 1, 1)
+            + step.clamp(max=s_q - guess - 1).view(1, 1, -1, 1))
+        mask = torch.cat([row_mask.view(n, 1, 1, width).expand(-1, -1, s_q, -1), ring_mask,
                           guess_mask.expand(n, 1, -1, -1)], -1)
         return attention_with_lse(q, keys, values, mask, layer.scale)
 
@@ -264,22 +270,9 @@ class MiniKVMethod(KVMethod):
             before.append(generated - folded - committed)
         blocks = torch.nn.utils.rnn.pad_sequence(blocks, batch_first=True)
         slots = torch.nn.utils.rnn.pad_sequence(slots, batch_first=True)
-        before = torch.tensor(before, device=device)
-        # Key j of request b is visible to its query row i when j <= before[b] + i; a guess
-        # row sees what the last committed row sees (the whole ring, not the padding).
-        limit = before.view(-1, 1, 1, 1) + torch.arange(s_q, device=device).clamp(
-            max=s_q - reqs[0].guess - 1).view(1, 1, -1, 1)
-        return Ring(key, blocks, slots, before,
-                    torch.arange(blocks.shape[1], device=device) <= limit,
+        return Ring(key, blocks, slots, torch.tensor(before, device=device),
                     torch.empty(len(reqs), self.shapes.num_kv_heads, 0, dtype=torch.int32,
                                 device=device))
-
-    @staticmethod
-    def _ring_kv(layer: LayerContext, ring: Ring) -> tuple[torch.Tensor, torch.Tensor]:
-        """The ring's K/V ``[B, h, R, d]`` each (copies)."""
-        kv = exact_view(layer.kv_cache, layer.layout)[ring.blocks, ring.slots]  # [B, R, 2, h, d]
-        kv = kv.permute(2, 0, 3, 1, 4)
-        return kv[0], kv[1]
 
     def _fold(self, layer: LayerContext, req: RequestRows, plan: RequestPlan,
               ring_k: torch.Tensor, ring_v: torch.Tensor) -> None:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm_shadowkv.backend.exact_attention import causal_attention, exact_rows, exact_view
+from vllm_shadowkv.backend.exact_attention import causal_attention, exact_kv, exact_rows
 from vllm_shadowkv.core import ops, transfer
 from vllm_shadowkv.core.compress import compress_prompt
 from vllm_shadowkv.core.decode import decode_step
@@ -180,9 +180,7 @@ class ShadowKVMethod(KVMethod):
     def _generated(self, layer: LayerContext, step: StepRows):
         """The exact K/V of each request's generated tokens, the step's own last,
         [B, h, G + s_q, d] each (copies)."""
-        kv = exact_view(layer.kv_cache, layer.layout)[step.blocks, step.within]  # [B, G, 2, h, d]
-        gen = kv.permute(2, 0, 3, 1, 4)
-        return gen[0], gen[1]
+        return exact_kv(layer.kv_cache, layer.layout, step.blocks, step.within)
 
     def _generated_rows(self, layer: LayerContext, step: StepRows) -> torch.Tensor:
         """The rows of the same K/V in the layer cache viewed ``[N, d]``, [2, B, h, G + s_q]
