@@ -5,10 +5,12 @@ reported as ratios; outputs compared.
 
   python benchmarks/bench_exact_attention.py --out benchmarks/exact_attention/cpu.json
 
-With ``--device cuda``: the engine's CUDA path, one Triton kernel over the pages in place with
-each row's LSE (triton_kernels/prefill_kernels.py), against its path before it (the tokens
-gathered out of the pages, then torch SDPA with an explicit [q, s] mask for a later chunk), with
-each path's peak extra GPU memory; longer contexts.
+With ``--device cuda``: the engine's CUDA path, the tokens gathered out of the pages and
+FlashAttention's varlen kernel with each row's LSE (backend/exact_attention.py), against the
+Triton kernel over the pages in place (triton_kernels/prefill_kernels.py, the path before it and
+what the "triton" kernel mode runs) and the path before that (the tokens gathered, then torch
+SDPA with an explicit [q, s] mask for a later chunk), with each path's peak extra GPU memory;
+longer contexts.
 
   python benchmarks/bench_exact_attention.py --device cuda --out gpu_results/exact_attention.json
 """
@@ -48,9 +50,28 @@ def math_kernel(query, key, value, scale):
 
 
 def gathered_sdpa(query, kv, blocks, slots, scale):
-    """The engine's CUDA call before the Triton kernel: the tokens gathered out of the pages."""
+    """The engine's first CUDA call: the tokens gathered, SDPA with a mask for a later chunk."""
     tokens = kv[blocks, slots]
-    return causal_attention(query, tokens[:, 0], tokens[:, 1], scale)
+    q_len, s_len = query.shape[0], tokens.shape[0]
+    mask = None
+    if 1 < q_len < s_len:
+        rows = torch.arange(s_len - q_len, s_len, device=query.device)[:, None]
+        mask = torch.arange(s_len, device=query.device)[None, :] <= rows
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query.transpose(0, 1)[None], tokens[:, 0].transpose(0, 1)[None],
+        tokens[:, 1].transpose(0, 1)[None], attn_mask=mask, is_causal=1 < q_len == s_len,
+        scale=scale, enable_gqa=True)
+    return out[0].transpose(0, 1)
+
+
+def gathered_flash(query, kv, blocks, slots, scale):
+    """The engine's CUDA path (exact_attention_step for one request): the tokens gathered,
+    FlashAttention's varlen kernel."""
+    q_len, s_len = query.shape[0], blocks.shape[0]
+    cu_q, cu_k = (torch.tensor([0, n], dtype=torch.int32, device=query.device)
+                  for n in (q_len, s_len))
+    return ops.varlen_causal_attention(query, kv[blocks, slots, 0], kv[blocks, slots, 1], cu_q,
+                                       cu_k, q_len, s_len, scale)[0]
 
 
 def timed(fn, reps: int) -> float:
@@ -84,15 +105,18 @@ def cuda_rows(reps: int) -> list[dict]:
         blocks, slots = where // BLOCK_SIZE, where % BLOCK_SIZE
         q = torch.randn(q_len, H_Q, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
         scale = HEAD_DIM ** -0.5
-        triton_call = lambda: ops.paged_causal_attention(q, kv, blocks, slots, scale)  # noqa: E731
-        before_call = lambda: gathered_sdpa(q, kv, blocks, slots, scale)  # noqa: E731
-        triton_s, before_s = timed(triton_call, reps), timed(before_call, reps)
-        diff = triton_call()[0].float() - before_call().float()
-        rows.append({"query_tokens": q_len, "context_tokens": s_len,
-                     "triton_ms": triton_s * 1e3, "gathered_sdpa_ms": before_s * 1e3,
-                     "speedup": before_s / triton_s, "triton_peak_mib": peak_mib(triton_call),
-                     "gathered_sdpa_peak_mib": peak_mib(before_call),
-                     "max_abs_diff": float(diff.abs().max())})
+        calls = {"flash": lambda: gathered_flash(q, kv, blocks, slots, scale),
+                 "triton": lambda: ops.paged_causal_attention(q, kv, blocks, slots, scale)[0],
+                 "gathered_sdpa": lambda: gathered_sdpa(q, kv, blocks, slots, scale)}
+        row = {"query_tokens": q_len, "context_tokens": s_len}
+        for name, call in calls.items():
+            row[f"{name}_ms"] = timed(call, reps) * 1e3
+            row[f"{name}_peak_mib"] = peak_mib(call)
+            if name != "flash":
+                row[f"{name}_over_flash"] = row[f"{name}_ms"] / row["flash_ms"]
+                diff = call().float() - calls["flash"]().float()
+                row[f"{name}_max_abs_diff"] = float(diff.abs().max())
+        rows.append(row)
         del kv, q
         torch.cuda.empty_cache()
     return rows

@@ -3,10 +3,12 @@
 # Triton kernels against their torch references, the CUDA decode path (pinned store, copy
 # stream) against the CPU's, its one host wait per layer (CUDA's sync debug mode,
 # tests/core/test_host_waits.py), TailorKV's channel scores read from pinned host pages in place
-# (tests/core/test_critical_channels.py), SpeCache's deferred slot fetch on CUDA; then the
+# (tests/core/test_critical_channels.py), SpeCache's deferred slot fetch on CUDA, FlashAttention's
+# varlen kernel against its reference (tests/core/test_varlen_attention.py); then the
 # benchmarks at Llama-3.1-8B shapes: the quantized-page decode attention (MiniKV, TailorKV,
-# SpeCache), ShadowKV's decode step, the engine's exact attention (the paged Triton kernel
-# against its gathered-SDPA predecessor, time and peak memory) and MiniKV's column sums.
+# SpeCache), ShadowKV's decode step, the engine's exact attention (FlashAttention varlen over
+# gathered tokens against the paged Triton kernel and gathered SDPA, time and peak memory) and
+# MiniKV's column sums.
 # Each phase has its own time limit and a failed phase does not stop the next; ONLY names the
 # phases to run (default all but quant_sweep, the quantized-page kernel's launch settings, and
 # profile_quant, Nsight Compute on that kernel).

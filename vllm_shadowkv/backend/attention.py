@@ -28,7 +28,7 @@ from vllm.v1.attention.backend import (
 from vllm.v1.kv_cache_interface import KVCacheLayout
 
 from vllm_shadowkv.backend.engine_check import SUPPORTED_KV_CACHE_DTYPES
-from vllm_shadowkv.backend.exact_attention import exact_attention, read_exact, write_exact
+from vllm_shadowkv.backend.exact_attention import exact_attention_step, read_exact, write_exact
 from vllm_shadowkv.backend.host_malloc import keep_freed_memory
 from vllm_shadowkv.backend.kv_spec import CompressedKVSpec
 from vllm_shadowkv.backend.layout import PageLayout
@@ -256,11 +256,13 @@ class EngineImpl(AttentionImpl[EngineMetadata]):
         method = layout.method
         if m.phases is None:
             m.phases = self._phases(m, layout)
-        for req, sparse in m.phases.exact:
+        exact = m.phases.exact
+        results = exact_attention_step(
+            kv_cache, layout, [req for req, _ in exact], query, self.scale,
+            [sparse and method.needs_prefill_lse for _, sparse in exact])
+        for (req, sparse), (req_out, lse) in zip(exact, results):
             start, end = req.start, req.end
-            out[start:end], lse = exact_attention(
-                kv_cache, layout, req.prompt_len, req.block_ids, req.seq_len, query[start:end],
-                self.scale, with_lse=sparse and method.needs_prefill_lse)
+            out[start:end] = req_out
             if not sparse:
                 continue
             method.prefill_chunk(ctx, req, query[start:end], key[start:end], value[start:end],

@@ -4,6 +4,7 @@ for short requests and for the final attention of a method that rebuilds exact K
 from __future__ import annotations
 
 import functools
+import itertools
 from typing import TYPE_CHECKING
 
 import torch
@@ -13,6 +14,7 @@ from vllm_shadowkv.core.attention import causal_attention_cpu
 
 if TYPE_CHECKING:
     from vllm_shadowkv.backend.layout import PageLayout
+    from vllm_shadowkv.methods.base import RequestRows
 
 
 def exact_view(kv_cache: torch.Tensor, layout: PageLayout) -> torch.Tensor:
@@ -60,12 +62,17 @@ def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     """The last ``q`` positions of a sequence attend all its ``s`` keys, causally.
 
     query ``[q, Hq, d]``; key, value ``[s, Hkv, d]`` -> ``[q, Hq, d]``; 16-bit inputs, fp32
-    accumulation.
+    accumulation. On CUDA FlashAttention's varlen kernel, where torch has it.
     """
     if query.device.type == "cpu":
         out = _vllm_cpu_attention(query, key, value, scale)
         return out if out is not None else causal_attention_cpu(query, key, value, scale)[0]
     q_len, s_len = query.shape[0], key.shape[0]
+    if ops.flash_varlen(query):
+        cu_seq_q = torch.tensor([0, q_len], dtype=torch.int32, device=query.device)
+        cu_seq_k = torch.tensor([0, s_len], dtype=torch.int32, device=query.device)
+        return ops.varlen_causal_attention(query, key, value, cu_seq_q, cu_seq_k, q_len, s_len,
+                                           scale)[0]
     mask = None
     if 1 < q_len < s_len:  # a later prefill chunk: query i sits at position s - q + i
         rows = torch.arange(s_len - q_len, s_len, device=query.device)[:, None]
@@ -156,3 +163,34 @@ def exact_attention(kv_cache, layout: PageLayout, prompt_len: int, block_ids, se
         return out, lse if with_lse else None
     key, value = read_exact(kv_cache, layout, prompt_len, block_ids, positions)
     return causal_attention(query, key, value, scale), None
+
+
+def exact_attention_step(kv_cache, layout: PageLayout, reqs: list[RequestRows],
+                         query: torch.Tensor, scale: float, with_lse: list[bool]
+                         ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """`exact_attention` for each of a step's exact requests (prefill chunks, short requests).
+    With FlashAttention (CUDA) in one varlen call, as vLLM's FlashAttention backend runs a
+    step: the requests' tokens gathered out of their pages (the kernel's paged form wants pages
+    of a multiple of 256 tokens, more than a method's exact page holds) and its LSE for all."""
+    if not reqs or not ops.flash_varlen(query):
+        return [exact_attention(kv_cache, layout, r.prompt_len, r.block_ids, r.seq_len,
+                                query[r.start:r.end], scale, with_lse=w)
+                for r, w in zip(reqs, with_lse)]
+    device = query.device
+    where = [layout.exact_token_slots(r.prompt_len, r.block_ids,
+                                      torch.arange(r.seq_len, device=device)) for r in reqs]
+    blocks, slots = torch.cat([b for b, _ in where]), torch.cat([s for _, s in where])
+    pages = exact_view(kv_cache, layout)
+    key, value = pages[blocks, slots, 0], pages[blocks, slots, 1]  # [Tk, h_kv, d] each
+    rows = torch.cat([torch.arange(r.start, r.end, device=device) for r in reqs])
+    q_lens = [r.end - r.start for r in reqs]
+    q_cut = [0, *itertools.accumulate(q_lens)]
+    k_cut = [0, *itertools.accumulate(r.seq_len for r in reqs)]
+    cu_seq_q, cu_seq_k = (torch.tensor(c, dtype=torch.int32, device=device)
+                          for c in (q_cut, k_cut))
+    out, lse = ops.varlen_causal_attention(query[rows], key.to(query.dtype),
+                                           value.to(query.dtype), cu_seq_q, cu_seq_k,
+                                           max(q_lens), max(r.seq_len for r in reqs), scale)
+    h_kv = key.shape[1]
+    return [(out[a:b], lse[:, a:b].unflatten(0, (h_kv, -1)).contiguous() if w else None)
+            for a, b, w in zip(q_cut, q_cut[1:], with_lse)]

@@ -1,4 +1,5 @@
-"""Exact GQA attention that also returns the log-sum-exp, and the merge of partial results.
+"""Exact GQA attention that also returns the log-sum-exp, the merge of partial results, and
+exact causal attention over packed sequences (FlashAttention's varlen contract, for CUDA).
 
 Decode attends several key sets (exact region, selected slots, generated tokens); each is
 attended separately and the results are merged through their LSE, so nothing is concatenated.
@@ -6,6 +7,8 @@ On the CPU, `attention_with_lse` runs torch's fused flash kernel (16-bit inputs,
 accumulation, no score matrix, no copy of K/V per query head); `attention_with_lse_reference`
 is the explicit computation it is tested against and what other devices run.
 """
+
+import functools
 
 import torch
 
@@ -149,6 +152,57 @@ def paged_causal_attention_reference(
     out, lse = attention_with_lse_reference(query.contiguous()[None], tokens[0], tokens[1],
                                             causal, scale)
     return out[0], lse[0].transpose(0, 1).reshape(h_kv, h_q // h_kv, q_len)
+
+
+def varlen_causal_attention_reference(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seq_q: torch.Tensor,
+    cu_seq_k: torch.Tensor, max_q: int, max_k: int, scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """FlashAttention's varlen contract: sequences packed along the tokens, the ``q_i`` query
+    rows of sequence i are its last positions and attend its ``s_i`` keys causally. query
+    [Tq, Hq, d]; key, value [Tk, Hkv, d]; cu_seq_q, cu_seq_k int32 [N + 1] (offsets);
+    max_q, max_k the longest q_i, s_i -> out [Tq, Hq, d], lse [Hq, Tq] fp32.
+    (Reference of `varlen_causal_attention_flash`.)"""
+    out = torch.empty_like(query)
+    lse = torch.empty(query.shape[1], query.shape[0], dtype=torch.float32, device=query.device)
+    q_cut, k_cut = cu_seq_q.tolist(), cu_seq_k.tolist()
+    for q_start, q_end, k_start, k_end in zip(q_cut, q_cut[1:], k_cut, k_cut[1:]):
+        if q_end == q_start:
+            continue
+        assert q_end - q_start <= min(max_q, k_end - k_start) and k_end - k_start <= max_k
+        positions = torch.arange(k_end - k_start, device=query.device)
+        causal = positions <= positions[k_end - k_start - (q_end - q_start):, None]
+        keys = key[k_start:k_end].transpose(0, 1)[None]
+        values = value[k_start:k_end].transpose(0, 1)[None]
+        o, l = attention_with_lse_reference(query[q_start:q_end][None], keys, values,
+                                            causal[None, None], scale)
+        out[q_start:q_end], lse[:, q_start:q_end] = o[0], l[0].transpose(0, 1)
+    return out, lse
+
+
+def varlen_causal_attention_flash(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale):
+    """The same through FlashAttention's varlen kernel as torch ships it (CUDA): the aten op
+    that ``torch.nn.attention.varlen.varlen_attn`` wraps, called directly, since the wrapper
+    took GQA and the scale only lately (torch 2.13) and the op has had them for long. K/V stay
+    at their KV heads; the LSE comes with the output; the causal mask is aligned bottom-right,
+    so a later prefill chunk needs no mask."""
+    out, lse = torch.ops.aten._flash_attention_forward(
+        query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, 0.0, True, False, scale=scale)[:2]
+    return out, lse
+
+
+@functools.cache
+def _flash_capable(device: torch.device) -> bool:
+    return (torch.backends.cuda.is_flash_attention_available()
+            and torch.cuda.get_device_capability(device) >= (8, 0))
+
+
+def flash_varlen_supported(query: torch.Tensor) -> bool:
+    """Whether FlashAttention's varlen kernel takes these inputs: CUDA with a torch built with
+    it, sm80 or newer, 16-bit, head size a multiple of 8 up to 256."""
+    return (query.is_cuda and query.dtype in (torch.float16, torch.bfloat16)
+            and query.shape[-1] % 8 == 0 and query.shape[-1] <= 256
+            and _flash_capable(query.device))
 
 
 def merge_attention(

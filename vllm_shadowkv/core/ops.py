@@ -217,6 +217,20 @@ def column_sums(q, k, scale, lse=None):
     return heavy_hitters.gemm_column_sums(q, k, scale, tile)
 
 
+def flash_varlen(t: torch.Tensor) -> bool:
+    """Whether exact attention on ``t`` goes to FlashAttention's varlen kernel: CUDA in mode
+    "auto", where torch has the kernel and it takes the inputs."""
+    return _mode == "auto" and attention.flash_varlen_supported(t)
+
+
+def varlen_causal_attention(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale):
+    """Exact causal attention over packed sequences, with each row's LSE (the engine's exact
+    requests of a step on CUDA, one call)."""
+    impl = (attention.varlen_causal_attention_flash if flash_varlen(query)
+            else attention.varlen_causal_attention_reference)
+    return impl(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale)
+
+
 def paged_causal_attention(query, kv, blocks, slots, scale):
     """A request's exact attention over its pages, with each row's LSE. The CPU engine gathers
     the tokens for vLLM's or torch's flash kernel instead (backend/exact_attention.py)."""
