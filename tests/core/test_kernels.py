@@ -383,7 +383,7 @@ def test_decode_attention(group, head_dim, q_dtype, dtype, s_q):
     want, want_lse = attention.decode_attention(q, pages[:, 4:4 + head_dim], *args)
     pages[n_rows] = float("nan")  # the reference multiplies masked rows by 0: not the kernel
     rows = pages[:, 4:4 + head_dim]  # rows of a wider page: a row stride of its own
-    assert native.supports_decode_attention(q, rows)
+    assert native.supports_decode_attention(q, q.shape[1], rows)
     got, got_lse = native.decode_attention(q, rows, *args)
     assert got.dtype == want.dtype == q_dtype
     torch.testing.assert_close(got_lse, want_lse, atol=1e-4, rtol=1e-4)

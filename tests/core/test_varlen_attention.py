@@ -6,9 +6,9 @@ import pytest
 import torch
 from pages_util import make_layout
 
-from vllm_shadowkv.backend.exact_attention import (exact_attention, exact_attention_step,
+from vllm_shadowkv.backend.exact_attention import (IN_PLACE_ROWS, exact_attention_step,
                                                    exact_view, write_exact)
-from vllm_shadowkv.core import attention, ops
+from vllm_shadowkv.core import attention, native, ops
 from vllm_shadowkv.core.attention import causal_attention_cpu
 from vllm_shadowkv.methods.base import RequestRows
 
@@ -108,13 +108,28 @@ def test_step_in_one_call_equals_each_request_alone(monkeypatch):
             assert lse is None
 
 
-def test_step_without_flash_calls_each_request():
+@pytest.mark.parametrize("kernels", ["auto", "torch"])
+def test_step_on_the_cpu_equals_each_request_alone(kernels, monkeypatch):
+    """Without FlashAttention: decode rows in place (one call per row count), chunks alone."""
     layout, cache, reqs, query = _step_world("cpu", torch.float32, torch.Generator().manual_seed(9))
-    got = exact_attention_step(cache, layout, reqs, query, 0.2, [False] * len(reqs))
-    for req, (out, lse) in zip(reqs, got):
-        want = exact_attention(cache, layout, req.prompt_len, req.block_ids, req.seq_len,
-                               query[req.start:req.end], 0.2)[0]
-        assert torch.equal(out, want) and lse is None
+    with_lse = [True, True, False, True, True]
+    calls = []
+    decode = ops.decode_attention
+    monkeypatch.setattr(ops, "decode_attention", lambda *a: calls.append(a[0].shape) or decode(*a))
+    with ops.kernel_mode(kernels):
+        got = exact_attention_step(cache, layout, reqs, query, 0.2, with_lse)
+        in_place = ops.decode_in_place(query, 1, cache)
+    assert in_place == (kernels == "auto" and native.library() is not None)
+    # (16, 101), (1, 53) and (5, 200) attend in place, one call per row count; the others
+    # gather for vLLM's kernel.
+    assert calls == ([(1, 16, 8, 32), (1, 1, 8, 32), (1, 5, 8, 32)] if in_place else [])
+    for req, (out, lse), wanted in zip(reqs, got, with_lse):
+        want_out, want_lse = _paged_reference(cache, layout, req, query)
+        torch.testing.assert_close(out, want_out, atol=1e-5, rtol=1e-4)
+        if in_place and req.end - req.start <= IN_PLACE_ROWS and wanted:
+            torch.testing.assert_close(lse, want_lse, atol=1e-5, rtol=1e-4)
+        elif not wanted:
+            assert lse is None
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="FlashAttention runs on CUDA")

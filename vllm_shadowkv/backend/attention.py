@@ -10,7 +10,7 @@ compressed requests of the step, all of them in one call.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import ClassVar
 
 import torch
@@ -98,6 +98,8 @@ class EngineMetadata:
     # Which request is in which phase: the same in every layer, worked out in the first
     # (``EngineImpl._phases``).
     phases: StepPhases | None = None
+    # The exact requests' in-place row ids (``exact_attention_step``), planned in the first layer.
+    exact_plans: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -259,7 +261,7 @@ class EngineImpl(AttentionImpl[EngineMetadata]):
         exact = m.phases.exact
         results = exact_attention_step(
             kv_cache, layout, [req for req, _ in exact], query, self.scale,
-            [sparse and method.needs_prefill_lse for _, sparse in exact])
+            [sparse and method.needs_prefill_lse for _, sparse in exact], m.exact_plans)
         for (req, sparse), (req_out, lse) in zip(exact, results):
             start, end = req.start, req.end
             out[start:end] = req_out

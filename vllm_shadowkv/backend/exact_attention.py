@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -165,17 +166,93 @@ def exact_attention(kv_cache, layout: PageLayout, prompt_len: int, block_ids, se
     return causal_attention(query, key, value, scale), None
 
 
+# Up to this many query rows, a request on the CPU attends its exact tokens where they lie on
+# the pages (decode steps of short requests): vLLM's kernel would first copy its whole context
+# into a cache of its own layout, 5-10x the attention's time for one row.
+IN_PLACE_ROWS = 16
+
+
 def exact_attention_step(kv_cache, layout: PageLayout, reqs: list[RequestRows],
-                         query: torch.Tensor, scale: float, with_lse: list[bool]
+                         query: torch.Tensor, scale: float, with_lse: list[bool],
+                         plans: dict | None = None
                          ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
-    """`exact_attention` for each of a step's exact requests (prefill chunks, short requests).
-    With FlashAttention (CUDA) in one varlen call, as vLLM's FlashAttention backend runs a
-    step: the requests' tokens gathered out of their pages (the kernel's paged form wants pages
-    of a multiple of 256 tokens, more than a method's exact page holds) and its LSE for all."""
-    if not reqs or not ops.flash_varlen(query):
-        return [exact_attention(kv_cache, layout, r.prompt_len, r.block_ids, r.seq_len,
-                                query[r.start:r.end], scale, with_lse=w)
-                for r, w in zip(reqs, with_lse)]
+    """`exact_attention` for each of a step's exact requests (prefill chunks, short requests):
+    -> (out [q, Hq, d], lse [h_kv, G, q] fp32 or None) per request.
+
+    With FlashAttention (CUDA) in one varlen call, as vLLM's FlashAttention backend runs a step.
+    On the CPU the requests with few query rows (decodes) in one call of the in-place decode
+    attention per row count, where their row ids are planned once per step and page size in
+    ``plans`` (kept by the caller for the step's other layers); the others (prefill chunks)
+    one call each."""
+    if reqs and ops.flash_varlen(query):
+        return _flash_step(kv_cache, layout, reqs, query, scale, with_lse)
+    pool = kv_cache.view(-1, query.shape[-1])
+    results: list = [None] * len(reqs)
+    by_rows: dict[int, list[int]] = {}
+    for i, r in enumerate(reqs):
+        if r.end - r.start <= IN_PLACE_ROWS and ops.decode_in_place(query, r.end - r.start, pool):
+            by_rows.setdefault(r.end - r.start, []).append(i)
+        else:
+            results[i] = exact_attention(kv_cache, layout, r.prompt_len, r.block_ids, r.seq_len,
+                                         query[r.start:r.end], scale, with_lse=with_lse[i])
+    plans = {} if plans is None else plans
+    for s_q, index in by_rows.items():
+        step = [reqs[i] for i in index]
+        key = (s_q, kv_cache.stride(0))
+        if key not in plans:
+            plans[key] = InPlacePlan.of(kv_cache, layout, step, s_q)
+        q = torch.stack([query[r.start:r.end] for r in step])  # [B, s_q, Hq, d]
+        out, lse = plans[key].attend(q, pool, scale)
+        for j, i in enumerate(index):
+            results[i] = (out[j], lse[j] if with_lse[i] else None)
+    return results
+
+
+@dataclass(frozen=True)
+class InPlacePlan:
+    """Row ids of requests with ``s_q`` query rows each over their exact tokens in the pages:
+    the tokens before the rows are the decode attention's exact region (``before`` valid of a
+    padded ``width``), the rows' own tokens its generated tokens (token j seen by row i when
+    j <= i). The same for every layer whose pages have this size."""
+    k_rows: torch.Tensor  # [B, h_kv, width + s_q] int64, rows of kv_cache.view(-1, d)
+    v_rows: torch.Tensor
+    width: int
+    before: torch.Tensor  # [B] int64
+    no_slots: torch.Tensor  # [B, h_kv, 0]
+    gen_before: torch.Tensor  # [B] zeros
+
+    @classmethod
+    def of(cls, kv_cache, layout: PageLayout, reqs: list[RequestRows], s_q: int) -> InPlacePlan:
+        device = kv_cache.device
+        before = [r.seq_len - s_q for r in reqs]
+        width = max(before)
+        step = torch.arange(s_q, device=device)
+        positions = torch.stack([
+            torch.cat([torch.arange(width, device=device).clamp(max=max(n - 1, 0)), n + step])
+            for n in before])  # [B, width + s_q]: padding repeats a valid token, masked
+        where = [layout.exact_token_slots(r.prompt_len, r.block_ids, p)
+                 for r, p in zip(reqs, positions)]
+        rows = exact_rows(kv_cache, layout, torch.stack([b for b, _ in where]),
+                          torch.stack([s for _, s in where]))
+        n, h_kv = len(reqs), rows.shape[2]
+        return cls(rows[0], rows[1], width, torch.tensor(before, device=device),
+                   torch.empty(n, h_kv, 0, dtype=torch.int32, device=device),
+                   torch.zeros(n, dtype=torch.long, device=device))
+
+    def attend(self, q: torch.Tensor, pool: torch.Tensor, scale: float
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [B, s_q, Hq, d] -> out [B, s_q, Hq, d], lse [B, h_kv, G, s_q] fp32."""
+        out, lse = ops.decode_attention(q, pool, self.k_rows, self.v_rows, self.width,
+                                        self.before, self.no_slots, 1, self.gen_before, scale)
+        return out, lse.transpose(1, 2).unflatten(1, (self.k_rows.shape[1], -1))
+
+
+def _flash_step(kv_cache, layout: PageLayout, reqs: list[RequestRows], query: torch.Tensor,
+                scale: float, with_lse: list[bool]
+                ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """The step's exact requests in one FlashAttention varlen call: their tokens gathered out
+    of the pages (the kernel's paged form wants pages of a multiple of 256 tokens, more than a
+    method's exact page holds), each row's LSE for all."""
     device = query.device
     where = [layout.exact_token_slots(r.prompt_len, r.block_ids,
                                       torch.arange(r.seq_len, device=device)) for r in reqs]

@@ -276,11 +276,11 @@ def decode_attention(q, rows, k_rows, v_rows, exact_width, exact_len, slot_chunk
     return out, lse
 
 
-def supports_decode_attention(q: torch.Tensor, rows: torch.Tensor) -> bool:
-    """Whether ``decode_attention`` here takes these: CPU tensors of fp32, bf16 or fp16, rows
-    each one run of memory, a head dimension of at most 512, at most 1024 query rows (s_q x
-    h_q), and the library built."""
-    s_q, h_q, head_dim = q.shape[1:]
+def supports_decode_attention(q: torch.Tensor, s_q: int, rows: torch.Tensor) -> bool:
+    """Whether ``decode_attention`` here takes ``s_q`` query rows of ``q`` (``[.., h_q, d]``)
+    over ``rows``: CPU tensors of fp32, bf16 or fp16, rows each one run of memory, a head
+    dimension of at most 512, at most 1024 query rows (s_q x h_q), and the library built."""
+    h_q, head_dim = q.shape[-2:]
     return (q.device.type == rows.device.type == "cpu" and q.dtype in DTYPES
             and rows.dtype in DTYPES and rows.stride(-1) == 1 and head_dim <= MAX_HEAD_DIM
             and s_q * h_q <= MAX_QUERY_ROWS and library() is not None)

@@ -1,6 +1,7 @@
 """The one dispatch point between the torch references and the kernels.
 
-Mode "auto": CUDA tensors go to the Triton kernels, CPU tensors to the compiled CPU kernels
+Mode "auto": CUDA tensors go to the Triton kernels (exact attention to torch's FlashAttention
+varlen kernel where torch has it), CPU tensors to the compiled CPU kernels
 (core/cpu_kernels.py) and the C kernels (core/native.py; both: the references where no C/C++
 compiler is installed). "triton" sends every tensor to the Triton kernels (CPU tensors work only
 under TRITON_INTERPRET=1: how the kernel path is tested inside the CPU engine); "torch" sends
@@ -155,12 +156,17 @@ def rebuild_keys(a, a_rows, a_positions, a_start, b, slot_chunks, miss_slots, mi
         (_kernels("rebuild_kernels") if _use_triton(slot_k) else reconstruct).rebuild_keys(*args)
 
 
+def decode_in_place(q: torch.Tensor, s_q: int, rows: torch.Tensor) -> bool:
+    """Whether ``decode_attention`` of ``s_q`` rows of ``q`` (``[.., Hq, d]``) over ``rows``
+    runs in C, reading the rows in place."""
+    return compiled_cpu(q) and native.supports_decode_attention(q, s_q, rows)
+
+
 def decode_attention(q, rows, k_rows, v_rows, exact_width, exact_len, slot_chunks, chunk_size,
                      gen_before, scale):
     """Attention over K/V rows where they lie in the pages: ShadowKV's CPU step, and the
     16-bit rows and ring of the MiniKV family's steps (C on the CPU, else the reference)."""
-    impl = (native if compiled_cpu(q) and native.supports_decode_attention(q, rows)
-            else attention)
+    impl = native if decode_in_place(q, q.shape[1], rows) else attention
     return impl.decode_attention(q, rows, k_rows, v_rows, exact_width, exact_len, slot_chunks,
                                  chunk_size, gen_before, scale)
 
