@@ -13,7 +13,7 @@ from vllm_shadowkv.core.attention import causal_attention_cpu
 from vllm_shadowkv.methods.base import RequestRows
 
 # (query rows, context) per sequence: a whole prompt, later chunks, a decode row, odd sizes.
-SEQUENCES = [(37, 37), (16, 101), (1, 53), (64, 64), (5, 200)]
+SEQUENCES = [(37, 37), (16, 101), (1, 53), (64, 64), (5, 200), (1, 29)]
 
 
 def _packed(group, head_dim, dtype, device, generator):
@@ -91,7 +91,7 @@ def _paged_reference(cache, layout, req, query):
 def test_step_in_one_call_equals_each_request_alone(monkeypatch):
     """The packed path's gathers, offsets and LSE layout, on the CPU through the reference."""
     layout, cache, reqs, query = _step_world("cpu", torch.float32, torch.Generator().manual_seed(7))
-    with_lse = [True, False, True, True, False]
+    with_lse = [True, False, True, True, False, True]
     monkeypatch.setattr(ops, "flash_varlen", lambda t: True)
     calls = []
     monkeypatch.setattr(attention, "varlen_causal_attention_flash",
@@ -112,7 +112,7 @@ def test_step_in_one_call_equals_each_request_alone(monkeypatch):
 def test_step_on_the_cpu_equals_each_request_alone(kernels, monkeypatch):
     """Without FlashAttention: decode rows in place (one call per row count), chunks alone."""
     layout, cache, reqs, query = _step_world("cpu", torch.float32, torch.Generator().manual_seed(9))
-    with_lse = [True, True, False, True, True]
+    with_lse = [True, True, False, True, True, False]
     calls = []
     decode = ops.decode_attention
     monkeypatch.setattr(ops, "decode_attention", lambda *a: calls.append(a[0].shape) or decode(*a))
@@ -120,9 +120,9 @@ def test_step_on_the_cpu_equals_each_request_alone(kernels, monkeypatch):
         got = exact_attention_step(cache, layout, reqs, query, 0.2, with_lse)
         in_place = ops.decode_in_place(query, 1, cache)
     assert in_place == (kernels == "auto" and native.library() is not None)
-    # (16, 101), (1, 53) and (5, 200) attend in place, one call per row count; the others
-    # gather for vLLM's kernel.
-    assert calls == ([(1, 16, 8, 32), (1, 1, 8, 32), (1, 5, 8, 32)] if in_place else [])
+    # (16, 101), (1, 53) with (1, 29), and (5, 200) attend in place, one call per row count;
+    # the others gather for vLLM's kernel.
+    assert calls == ([(1, 16, 8, 32), (2, 1, 8, 32), (1, 5, 8, 32)] if in_place else [])
     for req, (out, lse), wanted in zip(reqs, got, with_lse):
         want_out, want_lse = _paged_reference(cache, layout, req, query)
         torch.testing.assert_close(out, want_out, atol=1e-5, rtol=1e-4)

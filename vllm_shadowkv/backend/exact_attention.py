@@ -224,18 +224,19 @@ class InPlacePlan:
     @classmethod
     def of(cls, kv_cache, layout: PageLayout, reqs: list[RequestRows], s_q: int) -> InPlacePlan:
         device = kv_cache.device
-        before = [r.seq_len - s_q for r in reqs]
-        width = max(before)
-        step = torch.arange(s_q, device=device)
-        positions = torch.stack([
-            torch.cat([torch.arange(width, device=device).clamp(max=max(n - 1, 0)), n + step])
-            for n in before])  # [B, width + s_q]: padding repeats a valid token, masked
-        where = [layout.exact_token_slots(r.prompt_len, r.block_ids, p)
-                 for r, p in zip(reqs, positions)]
-        rows = exact_rows(kv_cache, layout, torch.stack([b for b, _ in where]),
-                          torch.stack([s for _, s in where]))
+        before_list = [r.seq_len - s_q for r in reqs]
+        width, before = max(before_list), torch.tensor(before_list, device=device)
+        last = (before - 1).clamp(min=0).view(-1, 1)
+        positions = torch.cat([  # [B, width + s_q]: padding repeats a valid token, masked
+            torch.arange(width, device=device).view(1, -1).expand(len(reqs), -1).minimum(last),
+            before.view(-1, 1) + torch.arange(s_q, device=device)], dim=1)
+        blocks, slots = layout.exact_token_slots_batch(
+            [r.prompt_len for r in reqs],
+            torch.nn.utils.rnn.pad_sequence([r.block_ids for r in reqs], batch_first=True),
+            positions)
+        rows = exact_rows(kv_cache, layout, blocks, slots)
         n, h_kv = len(reqs), rows.shape[2]
-        return cls(rows[0], rows[1], width, torch.tensor(before, device=device),
+        return cls(rows[0], rows[1], width, before,
                    torch.empty(n, h_kv, 0, dtype=torch.int32, device=device),
                    torch.zeros(n, dtype=torch.long, device=device))
 

@@ -132,14 +132,30 @@ class PageLayout:
         """(block id, slot in page) of exact tokens at ``positions`` of one request: the prompt
         in the staging pages, generated tokens of a compressed request after its region (at
         their place in the ring, for a method with one)."""
+        blocks, slots = self.exact_token_slots_batch([prompt_len], block_ids[None],
+                                                     positions[None])
+        return blocks[0], slots[0]
+
+    def exact_token_slots_batch(self, prompt_lens: list[int], block_table: torch.Tensor,
+                                positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``exact_token_slots`` of several requests at once: their block table rows
+        ``[B, n]`` and positions ``[B, T]`` -> blocks, slots ``[B, T]``."""
         ne = self.exact_per_page
         index, offset = positions // ne, positions % ne
-        if self.is_sparse(prompt_len):
-            generated = positions >= prompt_len
-            base = self.exact_blocks(prompt_len) + self.region_blocks(prompt_len)
-            rel = positions - prompt_len
+        sparse = [self.is_sparse(p) for p in prompt_lens]
+        if any(sparse):
+            def per_row(values: list):  # a scalar for one request: the builder's hot path
+                return values[0] if len(values) == 1 else torch.tensor(
+                    values, device=positions.device).view(-1, 1)
+            prompt = per_row(prompt_lens)
+            generated = positions >= prompt
+            if not all(sparse):
+                generated &= per_row(sparse)
+            base = per_row([self.exact_blocks(p) + self.region_blocks(p) if s else 0
+                            for p, s in zip(prompt_lens, sparse)])
+            rel = positions - prompt
             if self.method.generated_ring is not None:
                 rel = rel % self.method.generated_ring
             index = torch.where(generated, base + rel // ne, index)
             offset = torch.where(generated, rel % ne, offset)
-        return block_ids[index.long()].long(), offset
+        return block_table.gather(1, index.long()).long(), offset
