@@ -27,6 +27,7 @@ from tqdm import tqdm
 
 from bench_layer_decode import (BLOCK, DTYPE, H_KV, HEAD_DIM, SCALE, DenseLayer, cpu_name,
                                 decode_inputs, llama_rope, measure, one_thread, prompt_kv)
+from plots import ratio_by_context
 from vllm_shadowkv.backend.exact_attention import (exact_attention, exact_attention_step,
                                                    write_exact)
 from vllm_shadowkv.backend.layout import PageLayout
@@ -97,31 +98,15 @@ class ExactLayer:
 
 
 def plot(rows: list[dict], machine: str, path: Path) -> None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib missing: no plot")
-        return
-    contexts = sorted({r["context"] for r in rows})
-    fig, ax = plt.subplots(figsize=(6.5, 4))
+    series = {}
     for batch in sorted({r["batch"] for r in rows}):
         pts = [r for r in rows if r["batch"] == batch]
-        for key, style, label in (("in_place_over_default", "-o", "in place"),
-                                  ("copied_over_default", ":x", "copied (before)")):
-            ax.plot([p["context"] / 1024 for p in pts], [p[key] for p in pts], style,
-                    label=f"{label}, batch {batch}")
-    ax.axhline(1.0, color="grey", ls="--", lw=0.8)
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xticks([c / 1024 for c in contexts], [f"{c / 1024:g}K" for c in contexts])
-    ax.set_xlabel("context per request")
-    ax.set_ylabel("time / vLLM's CPU attention op's")
-    ax.legend(fontsize=7)
-    ax.set_title(f"Short requests' decode attention, one layer, {machine}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+        for key, label in (("in_place_over_default", "in place"),
+                           ("copied_over_default", "copied (before)")):
+            series[f"{label}, batch {batch}"] = ([p["context"] for p in pts],
+                                                  [p[key] for p in pts])
+    ratio_by_context(series, "time / vLLM's CPU attention op's",
+                     f"Short requests' decode attention, one layer, {machine}", path)
 
 
 def main() -> None:

@@ -69,6 +69,7 @@ from tqdm import tqdm
 from vllm import _custom_ops as ops
 from vllm import envs
 
+from plots import pyplot
 from vllm_shadowkv.backend import exact_attention
 from vllm_shadowkv.backend.host_malloc import keep_freed_memory
 from vllm_shadowkv.backend.layout import PageLayout
@@ -381,12 +382,8 @@ def cpu_name() -> str:
 
 
 def plot(rows: list[dict], meta: dict, path: Path) -> None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib missing: no plot")
+    plt = pyplot()
+    if plt is None:
         return
     contexts = sorted({r["context"] for r in rows})
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))

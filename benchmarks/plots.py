@@ -21,7 +21,7 @@ def ratio_by_context(series: dict[str, tuple[list[int], list[float]]], ylabel: s
         return
     fig, ax = plt.subplots(figsize=(6.5, 4))
     for label, (contexts, ratios) in series.items():
-        ax.plot([c // 1024 for c in contexts], ratios, marker="o", label=label)
+        ax.plot([c / 1024 for c in contexts], ratios, marker="o", label=label)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("context (K tokens)")
     ax.set_ylabel(ylabel)
