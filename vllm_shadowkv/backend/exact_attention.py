@@ -168,7 +168,8 @@ def exact_attention(kv_cache, layout: PageLayout, prompt_len: int, block_ids, se
 
 # Up to this many query rows, a request on the CPU attends its exact tokens where they lie on
 # the pages (decode steps of short requests): vLLM's kernel would first copy its whole context
-# into a cache of its own layout, 5-10x the attention's time for one row.
+# into a cache of its own layout, 4-14x the attention's time for one row
+# (benchmarks/bench_exact_decode.py).
 IN_PLACE_ROWS = 16
 
 
