@@ -16,6 +16,7 @@ longer contexts.
 """
 
 import argparse
+import functools
 import json
 import platform
 import time
@@ -65,13 +66,17 @@ def gathered_sdpa(query, kv, blocks, slots, scale):
 
 
 def gathered_flash(query, kv, blocks, slots, scale):
-    """The engine's CUDA path (exact_attention_step for one request): the tokens gathered,
-    FlashAttention's varlen kernel."""
-    q_len, s_len = query.shape[0], blocks.shape[0]
-    cu_q, cu_k = (torch.tensor([0, n], dtype=torch.int32, device=query.device)
-                  for n in (q_len, s_len))
-    return ops.varlen_causal_attention(query, kv[blocks, slots, 0], kv[blocks, slots, 1], cu_q,
-                                       cu_k, q_len, s_len, scale)[0]
+    """The engine's CUDA path for one request: the tokens gathered, FlashAttention's varlen
+    kernel (``causal_attention`` on CUDA)."""
+    return causal_attention(query, kv[blocks, slots, 0], kv[blocks, slots, 1], scale)
+
+
+def paged_triton(query, kv, blocks, slots, scale):
+    """The Triton kernel over the pages in place (kernel mode "triton")."""
+    return ops.paged_causal_attention(query, kv, blocks, slots, scale)[0]
+
+
+CUDA_PATHS = {"flash": gathered_flash, "triton": paged_triton, "gathered_sdpa": gathered_sdpa}
 
 
 def timed(fn, reps: int) -> float:
@@ -105,9 +110,8 @@ def cuda_rows(reps: int) -> list[dict]:
         blocks, slots = where // BLOCK_SIZE, where % BLOCK_SIZE
         q = torch.randn(q_len, H_Q, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
         scale = HEAD_DIM ** -0.5
-        calls = {"flash": lambda: gathered_flash(q, kv, blocks, slots, scale),
-                 "triton": lambda: ops.paged_causal_attention(q, kv, blocks, slots, scale)[0],
-                 "gathered_sdpa": lambda: gathered_sdpa(q, kv, blocks, slots, scale)}
+        calls = {name: functools.partial(path, q, kv, blocks, slots, scale)
+                 for name, path in CUDA_PATHS.items()}
         row = {"query_tokens": q_len, "context_tokens": s_len}
         for name, call in calls.items():
             row[f"{name}_ms"] = timed(call, reps) * 1e3
@@ -117,7 +121,7 @@ def cuda_rows(reps: int) -> list[dict]:
                 diff = call().float() - calls["flash"]().float()
                 row[f"{name}_max_abs_diff"] = float(diff.abs().max())
         rows.append(row)
-        del kv, q
+        del calls, kv, q
         torch.cuda.empty_cache()
     return rows
 

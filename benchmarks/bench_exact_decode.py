@@ -28,8 +28,8 @@ from tqdm import tqdm
 from bench_layer_decode import (BLOCK, DTYPE, H_KV, HEAD_DIM, SCALE, DenseLayer, cpu_name,
                                 decode_inputs, llama_rope, measure, one_thread, prompt_kv)
 from plots import ratio_by_context
-from vllm_shadowkv.backend.exact_attention import (exact_attention, exact_attention_step,
-                                                   write_exact)
+from vllm_shadowkv.backend.exact_attention import (InPlacePlan, exact_attention,
+                                                   exact_attention_step, write_exact)
 from vllm_shadowkv.backend.layout import PageLayout
 from vllm_shadowkv.methods.base import KVShapes, RequestRows
 from vllm_shadowkv.methods.shadowkv import ShadowKVMethod, ShadowKVSettings
@@ -57,33 +57,19 @@ class ExactLayer:
             self.reqs.append(RequestRows(f"r{i}", context, context + 1, i, i + 1, block_ids))
         self.plans = {}
 
-    def step_slots(self, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
-        where = [self.layout.exact_token_slots(r.prompt_len, r.block_ids,
-                                               torch.tensor([self.context]))
-                 for r in self.reqs[:batch]]
-        return torch.cat([b for b, _ in where]), torch.cat([s for _, s in where])
-
     def plan_ms(self, batch: int) -> float:
         """One step's planning of the in-place row ids (the step's first layer pays it)."""
-        q = torch.zeros(batch, 32, HEAD_DIM, dtype=DTYPE)
         start = time.perf_counter()
-        exact_attention_step(self.cache, self.layout, self.reqs[:batch], q, SCALE,
-                             [False] * batch, {})
-        whole = time.perf_counter() - start
-        plans = {}
-        exact_attention_step(self.cache, self.layout, self.reqs[:batch], q, SCALE,
-                             [False] * batch, plans)
-        start = time.perf_counter()
-        exact_attention_step(self.cache, self.layout, self.reqs[:batch], q, SCALE,
-                             [False] * batch, plans)
-        return 1e3 * (whole - (time.perf_counter() - start))
+        InPlacePlan.of(self.cache, self.layout, self.reqs[:batch], 1)
+        return 1e3 * (time.perf_counter() - start)
 
     def step(self, batch: int):
-        blocks, slots = self.step_slots(batch)
         reqs = self.reqs[:batch]
-        if batch not in self.plans:
-            self.plans[batch] = {}
-        plans = self.plans[batch]
+        blocks, slots = self.layout.exact_token_slots_batch(
+            [r.prompt_len for r in reqs], torch.stack([r.block_ids for r in reqs]),
+            torch.full((batch, 1), self.context))
+        blocks, slots = blocks.flatten(), slots.flatten()
+        plans = self.plans.setdefault(batch, {})
 
         def run(q, k, v):
             write_exact(self.cache, self.layout, blocks, slots, k, v)
