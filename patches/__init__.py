@@ -6,11 +6,12 @@ misbehaving. ``apply_all`` is idempotent (vLLM loads plugins several times per p
 """
 
 from vllm_shadowkv.patches import (cpu_backend_selection, guess_config, guess_row,
-                                   kernel_warm_up, layer_kv_spec, model_runner_v1,
+                                   kernel_warm_up, layer_kv_spec, model_runner_v1, pre_decode,
                                    predicted_query, runner_requests, startup_validation)
 
 PATCHES = (cpu_backend_selection, startup_validation, runner_requests, layer_kv_spec,
-           model_runner_v1, guess_row, guess_config, predicted_query, kernel_warm_up)
+           model_runner_v1, guess_row, pre_decode, guess_config, predicted_query,
+           kernel_warm_up)
 
 
 class PatchTargetChanged(RuntimeError):

@@ -6,7 +6,9 @@ accepted tokens, and the guess row's own token (the rejection sampler's bonus to
 with a rejected draft, so the argmax of each request's last logits row is taken first (the
 sampler may modify the logits in place) and left for the proposer. Unless the proposer accepts
 guesses, only column 0 of the output (the output row's token) is kept: the guess counts as
-rejected, vLLM rolls its position back and it is never committed.
+rejected, vLLM rolls its position back and it is never committed. For the requests the
+attention pre-decoded this step (methods/specache/guess.py), the whole row is dropped and the
+next guess is the argmax of the output row's logits: the paper's first speculative token.
 """
 
 from __future__ import annotations
@@ -34,19 +36,32 @@ def apply() -> None:
 
 
 def sample_with_guesses(original, runner, logits, spec_decode_metadata):
-    from vllm_shadowkv.methods.specache.guess import GuessProposer, keep_guesses
+    from vllm.v1.sample.rejection_sampler import PLACEHOLDER_TOKEN_ID
+
+    from vllm_shadowkv.methods.specache.guess import (GuessProposer, keep_guesses,
+                                                      take_pre_decoded)
 
     drafter = getattr(runner, "drafter", None)
+    pre_decoded = take_pre_decoded()
     if not isinstance(drafter, GuessProposer) or spec_decode_metadata is None:
         return original(runner, logits, spec_decode_metadata)
-    guesses = logits[spec_decode_metadata.bonus_logits_indices].argmax(dim=-1).tolist()
+    last = spec_decode_metadata.bonus_logits_indices
+    rows = ([i for i, r in enumerate(runner.input_batch.req_ids[:len(last)]) if r in pre_decoded]
+            if pre_decoded else [])
+    if rows:  # a pre-decoded request's output row is the one before its guess row
+        assert all(spec_decode_metadata.num_draft_tokens[i] == 1 for i in rows)
+        last = last.clone()
+        last[rows] -= 1
+    guesses = logits[last].argmax(dim=-1).tolist()
     output = original(runner, logits, spec_decode_metadata)
     confirmed = _confirmed(spec_decode_metadata, output.sampled_token_ids[:, 0])
     if not drafter.accept_guess:
-        from vllm.v1.sample.rejection_sampler import PLACEHOLDER_TOKEN_ID
-
         output.sampled_token_ids[:, 1:] = PLACEHOLDER_TOKEN_ID
-    keep_guesses(guesses, confirmed)
+    dropped = [False] * len(guesses)
+    for i in rows:  # nothing emitted; patches/pre_decode.py rolls the step back
+        output.sampled_token_ids[i] = PLACEHOLDER_TOKEN_ID
+        confirmed[i] = dropped[i] = True
+    keep_guesses(guesses, confirmed, dropped)
     return output
 
 

@@ -12,6 +12,7 @@ from vllm_shadowkv.methods.specache import SpeCacheMethod
 pytestmark = pytest.mark.slow
 
 MAX_TOKENS = 16
+TINY_LAYERS = 4
 COMMON = {
     "batches": [[PROMPTS[0], long_prompt(500, 0)]],  # short (exact) and ~3.1K (compressed)
     "max_tokens": MAX_TOKENS,
@@ -28,18 +29,22 @@ def run_specache(model, settings, tmp_path):
                            "additional_config": {"specache": settings}}}, tmp_path)
 
 
-def assert_guess_rows_ran(result):
+def assert_guess_rows_ran(result, pre_decoded=True):
     """Each decode step of each request (after the prompt's, which emits the first token)
-    carried one guess, and none was accepted; the long request decoded compressed."""
+    carried one guess, and none was accepted; the long request decoded compressed, its first
+    decode step pre-decoding in every layer (a step vLLM then counts neither as a draft nor
+    as a token: every request still got MAX_TOKENS tokens)."""
     spec = result["spec_decode"]
     drafts = len(COMMON["batches"][0]) * (MAX_TOKENS - 1)
     assert spec["vllm:spec_decode_num_drafts"] == drafts, spec
     assert spec["vllm:spec_decode_num_accepted_tokens"] == 0, spec
+    assert all(len(o["token_ids"]) == MAX_TOKENS for o in result["batches"][0])
     stats = result["stats"][0]
     requests = {**stats["finished"], **stats["requests"]}  # the last one is released later
     assert sorted(s["mode"] for s in requests.values()) == ["dense", "sparse"]
     (sparse,) = [s for s in requests.values() if s["mode"] == "sparse"]
     assert sparse["decode_steps"] > 0 and sparse["hits"] > 0
+    assert sparse["pre_decode_steps"] == (TINY_LAYERS if pre_decoded else 0), sparse
 
 
 def test_covering_settings_equal_the_default_backend(tiny_model, tmp_path):
@@ -55,12 +60,13 @@ def test_covering_settings_equal_the_default_backend(tiny_model, tmp_path):
 @pytest.mark.parametrize("verify", [False, True])
 def test_defaults_run_the_guess_row(tiny_model, tmp_path, verify):
     """The defaults (1 bit, group 64, top 64 of a 3K prompt, generated tokens folded every
-    64) with the speculative prefetch, its guesses verified or not; the threshold lowered to
-    the tiny model's prompts."""
+    64) with the speculative prefetch, its guesses verified or not (and then, without
+    pre-decoding, the first step's output row fetching its own top-k); the threshold lowered
+    to the tiny model's prompts."""
     result = run_specache(tiny_model, {"min_sparse_len": 2048, "prefetch": "speculative",
-                                       "verify_guess": verify, "measure_fidelity": True},
-                          tmp_path)
-    assert_guess_rows_ran(result)
+                                       "verify_guess": verify, "pre_decode": not verify,
+                                       "measure_fidelity": True}, tmp_path)
+    assert_guess_rows_ran(result, pre_decoded=not verify)
     # The probe: of the output rows' own top-k, the share their previous guess row fetched.
     (sparse,) = [s for s in {**result["stats"][0]["finished"], **result["stats"][0]["requests"]}
                  .values() if s["mode"] == "sparse"]

@@ -86,6 +86,9 @@ def test_patches_are_installed_on_the_live_vllm():
     assert CpuPlatform.get_attn_backend_cls.__func__._shadowkv_original is not None
     assert type(current_platform).check_and_update_config.__func__._shadowkv_original is not None
     assert GPUModelRunner._update_states._shadowkv_original is not None
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    assert Scheduler.update_from_output._shadowkv_original is not None  # patches/pre_decode.py
     from vllm.model_executor.layers.attention.attention import Attention
 
     assert Attention.get_kv_cache_spec._shadowkv_original is not None

@@ -13,6 +13,7 @@ from vllm_shadowkv.config import STAMP_KEY, Stamp
 from vllm_shadowkv.methods.specache import guess
 from vllm_shadowkv.methods.specache.settings import SpeCacheSettings
 from vllm_shadowkv.patches.guess_row import sample_with_guesses
+from vllm_shadowkv.patches.pre_decode import dropped_steps
 
 
 def _proposer(cls, **settings):
@@ -22,7 +23,7 @@ def _proposer(cls, **settings):
     return cls(config)
 
 
-def _step(proposer, sampled_by_verification):
+def _step(proposer, sampled_by_verification, req_ids=("r0", "r1", "r2")):
     """One step of three requests, the second without a draft (its bonus row is its only row):
     logits rows [r0 output, r0 guess, r1 output, r2 output, r2 guess]."""
     logits = torch.zeros(5, 50)
@@ -37,7 +38,8 @@ def _step(proposer, sampled_by_verification):
         logits_in.zero_()  # the sampler may modify the logits in place
         return SimpleNamespace(sampled_token_ids=sampled_by_verification.clone())
 
-    return sample_with_guesses(original, SimpleNamespace(drafter=proposer), logits, metadata)
+    runner = SimpleNamespace(drafter=proposer, input_batch=SimpleNamespace(req_ids=list(req_ids)))
+    return sample_with_guesses(original, runner, logits, metadata)
 
 
 @pytest.mark.parametrize("cls, kept", [
@@ -85,6 +87,35 @@ def test_without_a_guess_the_sampled_token_is_the_placeholder():
     guess.take_guesses()  # nothing left from another test
     # After a prefill step (no guess row): the sampled token; a prefill chunk gets no draft.
     assert proposer.propose([[7], [], [9, 4]], None, None) == [[7], [], [4]]
+
+
+def test_a_pre_decoded_step_emits_nothing_and_guesses_its_output_rows_argmax():
+    """r2 pre-decoded this step (its first decode step): both its tokens are dropped, its
+    next guess is its output row's argmax (the prompt lookup is not asked), and vLLM's
+    scheduler is told to roll the step back (patches/pre_decode.py); r0 and r1 as before."""
+    proposer = _proposer(guess.GuessProposer)
+    guess.mark_pre_decoded(["r2", "not-in-this-batch"])
+    verified = torch.tensor([[11, 21], [31, PLACEHOLDER], [41, PLACEHOLDER]])
+    out = _step(proposer, verified)
+    assert out.sampled_token_ids.tolist() == [[11, PLACEHOLDER], [31, PLACEHOLDER],
+                                              [PLACEHOLDER, PLACEHOLDER]]
+    contexts = np.zeros((3, 12), dtype=np.int32)
+    contexts[1, :5] = [1, 2, 3, 4, 5]  # no earlier occurrence
+    contexts[2, :9] = [9, 7, 3, 41, 8, 2, 7, 3, 41]  # a lookup would propose 8
+    emitted = [[11], [31], []]
+    assert proposer.propose(emitted, np.array([7, 5, 9]), contexts) == [[21], [31], [41]]
+    assert guess.take_pre_decoded() == set()  # taken by the step that sampled them
+
+    config = SimpleNamespace(speculative_config=SimpleNamespace(method="custom_class",
+                                                                model=guess.PROPOSER))
+    scheduled = SimpleNamespace(scheduled_spec_decode_tokens={"r0": [11], "r2": [40]})
+    runner_output = SimpleNamespace(sampled_token_ids=emitted,
+                                    req_id_to_index={"r0": 0, "r1": 1, "r2": 2})
+    assert dropped_steps(config, scheduled, runner_output) == ["r2"]
+    # vLLM's own verification (accept_guess) and other drafters are left alone.
+    for model in (guess.ACCEPTING_PROPOSER, "ngram"):
+        config.speculative_config.model = model
+        assert dropped_steps(config, scheduled, runner_output) == []
 
 
 def test_other_runners_are_left_alone():

@@ -147,37 +147,46 @@ def random_guess(world: World, g: torch.Generator, scale: float = 1.0):
             scale * torch.randn(h, d, generator=g))
 
 
-@pytest.mark.parametrize("bits, verify", [(1, False), (2, False), (1, True)])
-def test_speculative_decode_attends_the_previous_guess_rows_top_k(bits, verify):
+@pytest.mark.parametrize("bits, verify, pre_decode", [
+    (1, False, False), (2, False, False), (1, True, False), (1, False, True), (2, True, True)])
+def test_speculative_decode_attends_the_previous_guess_rows_top_k(bits, verify, pre_decode):
     """Rows [output, guess] past two folds of the ring: the output row attends the top-k the
     previous step's guess row picked (its own in the first step, nothing picked before it;
     with verify_guess, its own in every step), the guess row the same plus the output row and
-    itself, and picks the next step's."""
+    itself, and picks the next step's. Pre-decoding first: both rows attend the low-bit cache
+    alone and the output row picks; vLLM then decodes the same token again."""
     settings = SpeCacheSettings(bits=bits, group_size=32, residual=32, top_k=24,
                                 prefetch="speculative", verify_guess=verify,
-                                min_sparse_len=128)
+                                pre_decode=pre_decode, min_sparse_len=128)
     method = make_method(settings, h=2, d=64, num_layers=2)
     p, gen = 301, 2 * settings.residual + 5
     world = make_world(method, {"r": (p, gen)})
     world.prefill("r", chunk=128)
     g, picked = torch.Generator().manual_seed(1), None
-    for s in range(p + 1, p + gen + 1):
+    steps = [p + 1] * pre_decode + list(range(p + 1, p + gen + 1))
+    for i, s in enumerate(steps):
         gq, gk, gv = guess = random_guess(world, g)
         out = guess_step(world, {"r": s}, {"r": guess})["r"]
         keys, values = low_bit_context(world, "r", s)
         row = world.q["r"][s - 1]
-        top = top_k(world, "r", keys, row) if picked is None or verify else picked
+        pre = pre_decode and i == 0
+        if pre:
+            top = torch.empty(2, 0, dtype=torch.long)  # nothing fetched: low-bit alone
+        else:
+            top = top_k(world, "r", keys, row) if picked is None or verify else picked
+        own_top = top_k(world, "r", keys, row)
         keys, values = torch.cat([keys, gk[:, None]], 1), torch.cat([values, gv[:, None]], 1)
         want = [attend(world, "r", keys[:, :-1], values[:, :-1], top, row),
                 attend(world, "r", keys, values, top, gq)]
         torch.testing.assert_close(out.float(), torch.stack(want), atol=2e-5, rtol=2e-5)
-        picked = top_k(world, "r", keys, gq)
+        picked = own_top if pre else top_k(world, "r", keys, gq)
     stats = world.stats["r"]
+    assert stats.pre_decode_steps == pre_decode  # one step of the layer the world runs
     fetched = stats.bytes_fetched // (2 * 64 * 4)
-    # Each step fetches the guess row's top-k, written at the next step (the last step's is
-    # still on its way); the first step (every step with verify_guess) the output row's before
-    # it too.
-    asked = (2 * gen - 1 if verify else gen) * 2 * settings.top_k
+    # Each step fetches the guess row's top-k (the pre-decoding step its output row's), written
+    # at the next step (the last step's is still on its way); without pre-decoding the first
+    # step (with verify_guess every step) the output row's before it too.
+    asked = (2 * gen - 1 + pre_decode if verify else gen) * 2 * settings.top_k
     assert stats.hits + fetched == asked and 0 < fetched
     assert method._pending[0]
     method.release("r")
@@ -218,14 +227,15 @@ def test_a_prefetch_never_writes_the_pages_of_a_released_request():
     guess_step(world, {"b": 262}, {"b": random_guess(world, g)})
     assert torch.all(world.cache[pages] == 7.0)
     assert world.stats["a"].selected == before
-    assert world.stats["b"].selected == 2 * 2 * settings.top_k  # its first step and the prefetch
+    # The pre-decoding step's prefetch, completed by this step (its own is still on its way).
+    assert world.stats["b"].selected == 2 * settings.top_k
 
 
 def test_speculation_hit_rate_counts_the_output_rows_own_top_k_among_the_prefetched():
     """measure_fidelity: a guess equal to the next output row predicts its whole top-k; a
     random guess predicts less."""
     settings = SpeCacheSettings(group_size=32, residual=32, top_k=16, prefetch="speculative",
-                                min_sparse_len=100, measure_fidelity=True)
+                                min_sparse_len=100, measure_fidelity=True, pre_decode=False)
     rates = []
     for exact_guess in (True, False):
         method = make_method(settings, h=2, d=64)

@@ -62,6 +62,7 @@ class RequestStats:
     # would have picked themselves, and of those, the ones the previous guess row fetched
     speculated: int = 0
     speculation_hits: int = 0
+    pre_decode_steps: int = 0  # SpeCache's pre-decoding calls (tokens dropped), over layers
     # measure_fidelity only: layer -> [sum of relative errors, sum of chunk recalls, steps]
     fidelity: dict[int, list[float]] = field(default_factory=dict)
 

@@ -6,6 +6,13 @@ hand-over of the guesses from the sampling patch (patches/guess_row.py).
 Each decode step feeds [output token, guess]; the argmax of the guess row's logits is the next
 step's guess. vLLM calls ``propose`` right after sampling, in the same step and worker process,
 with the batch rows in the same order, so the guesses pass through one module-level list.
+
+Pre-decoding (the paper's Alg. 2, setting ``pre_decode``): a compressed request's first decode
+step attends the low-bit cache only, its output row picks the next step's top-k, and the
+output row's argmax is the first guess. The attention marks the requests it pre-decoded
+(``mark_pre_decoded``); the sampling patch then drops the step's tokens and
+patches/pre_decode.py rolls the step back, so the first token is decoded again, with the
+prefetched rows and that guess.
 """
 
 from __future__ import annotations
@@ -18,20 +25,34 @@ PROPOSER = "vllm_shadowkv.methods.specache.guess.GuessProposer"
 ACCEPTING_PROPOSER = "vllm_shadowkv.methods.specache.guess.AcceptingGuessProposer"
 LOOKUP_MAX = 16  # the longest context suffix the lookup matches
 
-# Per batch row, from this step's sampling: the guess row's argmax, and whether the guess fed
-# this step was the token the output row produced.
-_guesses: tuple[list[int], list[bool]] | None = None
+# Per batch row, from this step's sampling: the next guess, whether it stands (the guess fed
+# this step was the output row's token, or the step pre-decoded), and whether the step
+# pre-decoded (its tokens dropped).
+_guesses: tuple[list[int], list[bool], list[bool]] | None = None
+# This step's pre-decoded request ids, from the attention to the sampling patch.
+_pre_decoded: set[str] = set()
 
 
-def keep_guesses(guesses: list[int], confirmed: list[bool]) -> None:
+def keep_guesses(guesses: list[int], confirmed: list[bool],
+                 pre_decoded: list[bool] | None = None) -> None:
     global _guesses
-    _guesses = (guesses, confirmed)
+    _guesses = (guesses, confirmed, pre_decoded or [False] * len(guesses))
 
 
-def take_guesses() -> tuple[list[int], list[bool]] | None:
+def take_guesses() -> tuple[list[int], list[bool], list[bool]] | None:
     global _guesses
     guesses, _guesses = _guesses, None
     return guesses
+
+
+def mark_pre_decoded(req_ids) -> None:
+    _pre_decoded.update(req_ids)
+
+
+def take_pre_decoded() -> set[str]:
+    taken = set(_pre_decoded)
+    _pre_decoded.clear()
+    return taken
 
 
 @functools.cache
@@ -52,7 +73,8 @@ def lookup(tokens: np.ndarray, min_n: int) -> int | None:
 
 class GuessProposer:
     """Proposes, for each request that got a token this step, the guess row's argmax; with no
-    guess row in the step (the first decode step), the token just sampled as a placeholder.
+    guess row in the step (the prompt's step), the token just sampled as a placeholder; for a
+    request that pre-decoded (no token this step), its output row's argmax.
 
     A guess row that followed a wrong guess predicts what comes after the wrong token, and a
     chain of guesses started wrong stays wrong. With ``guess_lookup`` n > 0, the guess after
@@ -78,7 +100,7 @@ class GuessProposer:
         taken = take_guesses()
         out = []
         for i, sampled in enumerate(sampled_token_ids):
-            if not sampled:
+            if not sampled and not (taken and taken[2][i]):
                 out.append([])
                 continue
             guess, confirmed = (taken[0][i], taken[1][i]) if taken else (sampled[-1], False)

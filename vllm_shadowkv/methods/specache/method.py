@@ -8,7 +8,9 @@ copies (``prefetch: "current"``, the paper's non-speculative mode). With ``prefe
 picked, with no fetch before it, and the guess row's top-k is fetched for the next step: decided
 now, gathered and written when the next step reaches the layer (``methods/slots.py``), so on
 CUDA the decision's copy to the host overlaps the rest of this step and the rows' copy the
-next step's earlier layers.
+next step's earlier layers. A request's first decode step is then the paper's pre-decoding
+(``pre_decode``): low-bit attention alone, its output row's top-k fetched for the next step,
+its tokens dropped and decoded again (methods/specache/guess.py, patches/pre_decode.py).
 
 The pages are MiniKV's with every token kept and ``top_k`` exact rows per KV head for the slots,
 and the decode step is MiniKV's (16-bit tail and generated-token ring exact, the quantized
@@ -27,6 +29,7 @@ from vllm_shadowkv.methods.base import KVShapes, LayerContext, RequestRows
 from vllm_shadowkv.methods.minikv.method import MiniKVMethod
 from vllm_shadowkv.methods.minikv.pages import BatchPlan, MiniKVPages, RequestPlan
 from vllm_shadowkv.methods.slots import SlotFetch, plan_fetch
+from vllm_shadowkv.methods.specache.guess import mark_pre_decoded
 from vllm_shadowkv.methods.specache.settings import SpeCacheSettings
 from vllm_shadowkv.store import paged_bytes
 
@@ -47,6 +50,8 @@ class SpeCacheMethod(MiniKVMethod):
         self._slot_tokens: dict[tuple[str, int], torch.Tensor] = {}
         # (request, layer) whose slots a guess row picked for the request's next step.
         self._ahead: set[tuple[str, int]] = set()
+        # (request, layer) compressed and not decoded yet: their first step may pre-decode.
+        self._undecoded: set[tuple[str, int]] = set()
         # Per layer, the guess rows' fetches whose rows are not in the slots yet.
         self._pending: dict[int, list[SlotFetch]] = {}
 
@@ -78,6 +83,7 @@ class SpeCacheMethod(MiniKVMethod):
             layer.store.put((req.req_id, layer.index), rows.transpose(0, 1).cpu())
         self._slot_tokens.pop((req.req_id, layer.index), None)  # a recomputed request
         self._ahead.discard((req.req_id, layer.index))
+        self._undecoded.add((req.req_id, layer.index))
         # Empty slots are masked, but a reused page may hold anything (NaN bit patterns of
         # another request's codes), and a masked NaN value still poisons the weighted sum.
         plan = self._plan(layer, req, self.pages.shape(layer.index, req.prompt_len))
@@ -91,6 +97,7 @@ class SpeCacheMethod(MiniKVMethod):
         for key in [k for k in self._slot_tokens if k[0] == req_id]:
             del self._slot_tokens[key]
             self._ahead.discard(key)
+        self._undecoded = {k for k in self._undecoded if k[0] != req_id}
         for layer, fetches in list(self._pending.items()):
             self._pending[layer] = [f for f in fetches if f.drop(req_id)]
             if not self._pending[layer]:
@@ -111,7 +118,10 @@ class SpeCacheMethod(MiniKVMethod):
         and after the attention the guess row's top-k is fetched for the next step. A request
         with nothing picked ahead (its first decode step, a step without a guess) picks now,
         and so does every request with ``verify_guess``: only what the guess missed is then
-        fetched in line."""
+        fetched in line. With ``pre_decode`` a request's first decode step with a guess is
+        instead the paper's pre-decoding: nothing fetched, its output row attends the low-bit
+        cache alone and picks the next step's top-k, and its tokens are dropped
+        (methods/specache/guess.py)."""
         if not self.settings.top_k:
             return super()._merge_quantized(layer, reqs, plans, q, batch, out_exact, lse_exact)
         n, s_q, hq, d = q.shape
@@ -124,17 +134,21 @@ class SpeCacheMethod(MiniKVMethod):
             fetch.complete(layer, self.pages)
         ahead = self.settings.prefetch == "speculative" and guess > 0
         picked_ahead = [i for i, key in enumerate(keys) if ahead and key in self._ahead]
-        # Who picks from the output row now: with verify_guess every request (the guess's
-        # misses fetched in line), else those with nothing picked ahead.
-        now = (list(range(n)) if self.settings.verify_guess
-               else [i for i in range(n) if i not in picked_ahead])
+        pre = ([i for i, key in enumerate(keys) if key in self._undecoded]
+               if ahead and self.settings.pre_decode else [])
+        self._undecoded.difference_update(keys)
+        # Who picks from the output row now and fetches in line: with verify_guess every
+        # request (the guess's misses), else those with nothing picked ahead; never the
+        # pre-decoded ones, whose output row picks for the next step.
+        now = [i for i in range(n) if i not in pre
+               and (self.settings.verify_guess or i not in picked_ahead)]
         measure = self.settings.measure_fidelity and bool(picked_ahead)
         # One pass over the low-bit cache, all of it, with the logits of the row that picks
         # next: the guess row's when picking ahead, else the output row's.
         own_row = s_q - 1 - guess
         quant = ops.quant_attention(per_head, pool, batch.group_table, batch.group_count,
                                     self.pages.fmt, layer.scale, s_q - 1 if ahead else own_row)
-        if now or measure:  # the output row's top-k (its logits from the pass unless ahead)
+        if now or measure or pre:  # the output row's top-k (from the pass unless ahead)
             wanted = self._wanted(pool, layer, reqs, per_head, lse_exact, batch, own_row,
                                   None if ahead else quant[2])
         if measure:
@@ -145,7 +159,8 @@ class SpeCacheMethod(MiniKVMethod):
             self._fetch(layer, [reqs[i] for i in now], [plans[i] for i in now],
                         wanted.view(n, -1)[now].view(-1, self.settings.top_k)).complete(
                             layer, self.pages)
-        slots = torch.cat([self._slot_tokens[key] for key in keys])  # [n * h, k]
+        empty = torch.full((h, self.settings.top_k), -1, dtype=torch.int32, device=q.device)
+        slots = torch.cat([self._slot_tokens.get(key, empty) for key in keys])  # [n * h, k]
         slot_k, slot_v = self._slot_kv(layer, plans)
         out_q, lse_q = mixed_attention.swap_in_exact(
             quant[:2], per_head, pool, batch.group_table, batch.group_count, self.pages.fmt,
@@ -154,9 +169,12 @@ class SpeCacheMethod(MiniKVMethod):
         lse_q = lse_q.view(n, h, s_q, g).transpose(1, 2).reshape(n, s_q, hq)
         out, _ = merge_attention([out_exact, out_q], [lse_exact, lse_q])
         if ahead:  # the next step's slots, from the guess row, completed at that step
-            self._pending.setdefault(layer.index, []).append(self._fetch(
-                layer, reqs, plans,
-                self._wanted(pool, layer, reqs, per_head, lse_exact, batch, s_q - 1, quant[2])))
+            picks = self._wanted(pool, layer, reqs, per_head, lse_exact, batch, s_q - 1, quant[2])
+            if pre:  # from the output row: the same token is decoded again next step
+                picks.view(n, -1)[pre] = wanted.view(n, -1)[pre]
+                self._record_pre_decoded(layer, [reqs[i] for i in pre])
+            self._pending.setdefault(layer.index, []).append(self._fetch(layer, reqs, plans,
+                                                                         picks))
             self._ahead.update(keys)
         else:
             self._ahead.difference_update(keys)
@@ -206,6 +224,11 @@ class SpeCacheMethod(MiniKVMethod):
         for r, tokens in zip(reqs, slots):
             self._slot_tokens[(r.req_id, layer.index)] = tokens
         return fetch
+
+    def _record_pre_decoded(self, layer: LayerContext, reqs: list[RequestRows]) -> None:
+        mark_pre_decoded(r.req_id for r in reqs)
+        for req in reqs:
+            layer.stats(req.req_id).pre_decode_steps += 1
 
     def _record_speculation(self, layer: LayerContext, reqs: list[RequestRows],
                             own: torch.Tensor, slots: torch.Tensor) -> None:

@@ -55,12 +55,19 @@ class SpeCacheSettings(EveryTokenQuantized, EngineSettings):
     the previous step's guess did not prefetch are fetched in line before the attention; the
     same attention as "current", with most of the fetch ahead of the step. Off: the output row
     attends what the guess prefetched, as in the paper."""
+    pre_decode: bool = True
+    """Speculative only: a compressed request's first decode step is the paper's pre-decoding
+    (Alg. 2), one extra forward whose token is not emitted: its output row attends the low-bit
+    cache alone, and its own top-k and argmax become what the guess row gives later steps (the
+    rows prefetched for the first token, decoded again, and the first guess). Off: the first
+    decode step's output row picks and fetches its own top-k in line, and the first guess is
+    the placeholder (or the prompt lookup)."""
     guess_lookup: int = 3
-    """Speculative only: after a wrong guess (and at the first decode step), guess the token
-    that followed the context's end where it occurred before, matched on at least this many
-    tokens (prompt lookup, vLLM's n-gram matcher), instead of the guess row's prediction, which
-    followed the wrong token; the guess row's when nothing matches. 0: always the guess row's
-    (the paper)."""
+    """Speculative only: after a wrong guess (and at the first decode step without
+    ``pre_decode``), guess the token that followed the context's end where it occurred before,
+    matched on at least this many tokens (prompt lookup, vLLM's n-gram matcher), instead of the
+    guess row's prediction, which followed the wrong token; the guess row's when nothing
+    matches. 0: always the guess row's (the paper)."""
 
     def check(self) -> None:
         super().check()
