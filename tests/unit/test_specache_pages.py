@@ -253,6 +253,26 @@ def test_speculation_hit_rate_counts_the_output_rows_own_top_k_among_the_prefetc
     assert rates[0] == 1.0 and rates[1] < 1.0
 
 
+def test_a_pre_decoding_step_is_not_measured():
+    """measure_fidelity: the pre-decoding step's output is dropped by vLLM, so its error
+    against dense attention is not recorded, nor its token added to the exact reference
+    context (vLLM decodes the token again); the steps that emit tokens are."""
+    settings = SpeCacheSettings(group_size=32, residual=32, top_k=16, prefetch="speculative",
+                                min_sparse_len=100, measure_fidelity=True)
+    method = make_method(settings, h=2, d=64)
+    world = make_world(method, {"r": (300, 4)})
+    world.prefill("r", chunk=128)
+    world.ctx.reference_kv[("r", 0)] = (world.k["r"][:300], world.v["r"][:300])  # as finalize
+    g = torch.Generator().manual_seed(4)
+    for s in (301, 301, 302, 303):  # the pre-decoding step, then the first token again
+        guess_step(world, {"r": s}, {"r": random_guess(world, g)})
+    stats = world.stats["r"]
+    assert stats.pre_decode_steps == 1 and stats.decode_steps == 4
+    assert stats.fidelity_means()[0]["steps"] == 3
+    reference_k, _ = world.ctx.reference_kv[("r", 0)]
+    torch.testing.assert_close(reference_k, world.k["r"][:303])
+
+
 def test_the_guess_rows_kv_never_reaches_the_pages():
     """The same committed tokens decoded with and without guess rows (large K/V, so that a
     copy anywhere would show), past two folds of the ring (a fold in a step with a guess):

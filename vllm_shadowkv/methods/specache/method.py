@@ -52,6 +52,7 @@ class SpeCacheMethod(MiniKVMethod):
         self._ahead: set[tuple[str, int]] = set()
         # (request, layer) compressed and not decoded yet: their first step may pre-decode.
         self._undecoded: set[tuple[str, int]] = set()
+        self._pre_decoding: set[tuple[str, int]] = set()  # in the layer's current call
         # Per layer, the guess rows' fetches whose rows are not in the slots yet.
         self._pending: dict[int, list[SlotFetch]] = {}
 
@@ -137,6 +138,7 @@ class SpeCacheMethod(MiniKVMethod):
         pre = ([i for i, key in enumerate(keys) if key in self._undecoded]
                if ahead and self.settings.pre_decode else [])
         self._undecoded.difference_update(keys)
+        self._pre_decoding = {keys[i] for i in pre}
         # Who picks from the output row now and fetches in line: with verify_guess every
         # request (the guess's misses), else those with nothing picked ahead; never the
         # pre-decoded ones, whose output row picks for the next step.
@@ -224,6 +226,12 @@ class SpeCacheMethod(MiniKVMethod):
         for r, tokens in zip(reqs, slots):
             self._slot_tokens[(r.req_id, layer.index)] = tokens
         return fetch
+
+    def _record_fidelity(self, layer: LayerContext, req: RequestRows, *args) -> None:
+        # A pre-decoding step's output is dropped (it attended the low-bit cache alone): the
+        # measure is of the attention the emitted tokens got.
+        if (req.req_id, layer.index) not in self._pre_decoding:
+            super()._record_fidelity(layer, req, *args)
 
     def _record_pre_decoded(self, layer: LayerContext, reqs: list[RequestRows]) -> None:
         mark_pre_decoded(r.req_id for r in reqs)
