@@ -44,7 +44,7 @@ def dropped_steps(vllm_config, scheduler_output, model_runner_output) -> list[st
 
     spec = vllm_config.speculative_config
     sampled = model_runner_output.sampled_token_ids
-    if spec is None or spec.method != "custom_class" or spec.model != PROPOSER or not sampled:
+    if spec is None or spec.model != PROPOSER or not sampled:
         return []
     index = model_runner_output.req_id_to_index
     return [req_id for req_id, drafts in scheduler_output.scheduled_spec_decode_tokens.items()

@@ -73,6 +73,16 @@ class SlotFetch:
                 stats.bytes_fetched += miss * row_bytes
 
 
+def held_slots(slot_tokens: dict, keys: list, num_kv_heads: int, k: int,
+               device: torch.device) -> torch.Tensor:
+    """The token ids ``[n, h, k]`` int32 the slots of each (request, layer) key hold, -1 for a
+    key that holds none yet (its first decode step)."""
+    if all(key in slot_tokens for key in keys):
+        return torch.stack([slot_tokens[key] for key in keys])
+    empty = torch.full((num_kv_heads, k), -1, dtype=torch.int32, device=device)
+    return torch.stack([slot_tokens.get(key, empty) for key in keys])
+
+
 def plan_fetch(reqs: list[RequestRows], held: torch.Tensor, wanted: torch.Tensor,
                key_rows: torch.Tensor, value_rows: torch.Tensor
                ) -> tuple[torch.Tensor, SlotFetch]:

@@ -33,10 +33,9 @@ _guesses: tuple[list[int], list[bool], list[bool]] | None = None
 _pre_decoded: set[str] = set()
 
 
-def keep_guesses(guesses: list[int], confirmed: list[bool],
-                 pre_decoded: list[bool] | None = None) -> None:
+def keep_guesses(guesses: list[int], confirmed: list[bool], pre_decoded: list[bool]) -> None:
     global _guesses
-    _guesses = (guesses, confirmed, pre_decoded or [False] * len(guesses))
+    _guesses = (guesses, confirmed, pre_decoded)
 
 
 def take_guesses() -> tuple[list[int], list[bool], list[bool]] | None:
@@ -50,8 +49,8 @@ def mark_pre_decoded(req_ids) -> None:
 
 
 def take_pre_decoded() -> set[str]:
-    taken = set(_pre_decoded)
-    _pre_decoded.clear()
+    global _pre_decoded
+    taken, _pre_decoded = _pre_decoded, set()
     return taken
 
 

@@ -28,7 +28,7 @@ from vllm_shadowkv.core.attention import merge_attention
 from vllm_shadowkv.methods.base import KVShapes, LayerContext, RequestRows
 from vllm_shadowkv.methods.minikv.method import MiniKVMethod
 from vllm_shadowkv.methods.minikv.pages import BatchPlan, MiniKVPages, RequestPlan
-from vllm_shadowkv.methods.slots import SlotFetch, plan_fetch
+from vllm_shadowkv.methods.slots import SlotFetch, held_slots, plan_fetch
 from vllm_shadowkv.methods.specache.guess import mark_pre_decoded
 from vllm_shadowkv.methods.specache.settings import SpeCacheSettings
 from vllm_shadowkv.store import paged_bytes
@@ -161,8 +161,8 @@ class SpeCacheMethod(MiniKVMethod):
             self._fetch(layer, [reqs[i] for i in now], [plans[i] for i in now],
                         wanted.view(n, -1)[now].view(-1, self.settings.top_k)).complete(
                             layer, self.pages)
-        empty = torch.full((h, self.settings.top_k), -1, dtype=torch.int32, device=q.device)
-        slots = torch.cat([self._slot_tokens.get(key, empty) for key in keys])  # [n * h, k]
+        slots = held_slots(self._slot_tokens, keys, h, self.settings.top_k,
+                           q.device).flatten(0, 1)  # [n * h, k]
         slot_k, slot_v = self._slot_kv(layer, plans)
         out_q, lse_q = mixed_attention.swap_in_exact(
             quant[:2], per_head, pool, batch.group_table, batch.group_count, self.pages.fmt,
@@ -218,8 +218,8 @@ class SpeCacheMethod(MiniKVMethod):
         (``methods/slots.py``: those already there stay, the others are to be fetched by the
         returned fetch, before the slots are next read)."""
         n, h, k = len(reqs), self.shapes.num_kv_heads, self.settings.top_k
-        empty = torch.full((h, k), -1, dtype=torch.int32, device=wanted.device)
-        held = torch.stack([self._slot_tokens.get((r.req_id, layer.index), empty) for r in reqs])
+        held = held_slots(self._slot_tokens, [(r.req_id, layer.index) for r in reqs], h, k,
+                          wanted.device)
         key_rows, value_rows = self._slot_rows(plans)
         slots, fetch = plan_fetch(reqs, held, wanted.view(n, h, k), key_rows.view(n, h, k),
                                   value_rows.view(n, h, k))

@@ -25,7 +25,7 @@ from vllm_shadowkv.core import ops, transfer
 from vllm_shadowkv.core.critical_channels import critical_channels, select_tokens
 from vllm_shadowkv.methods.base import KVShapes, LayerContext, RequestRows
 from vllm_shadowkv.methods.minikv.method import MiniKVMethod
-from vllm_shadowkv.methods.slots import fetch_into_slots
+from vllm_shadowkv.methods.slots import fetch_into_slots, held_slots
 from vllm_shadowkv.methods.tailorkv.pages import TailorKVPages
 from vllm_shadowkv.methods.tailorkv.settings import TailorKVSettings
 from vllm_shadowkv.store import paged_bytes
@@ -145,8 +145,7 @@ class TailorKVMethod(MiniKVMethod):
         for req, n in zip(reqs, lens):  # the channel rows read from the store
             layer.stats(req.req_id).bytes_fetched += -(-n // CHANNEL_CHUNK) * row_bytes
 
-        empty = torch.full((h, k), -1, dtype=torch.int32, device=device)
-        held = torch.stack([self._slot_tokens.get(key, empty) for key in keys])
+        held = held_slots(self._slot_tokens, keys, h, k, device)
         slot_rows = [self._slot_rows(layer, r, k) for r in reqs]
         slots = fetch_into_slots(layer, reqs, held, wanted,
                                  torch.stack([key_rows for key_rows, _ in slot_rows]),
