@@ -171,6 +171,20 @@ def reference_output(world: World, r: str, seq_len: int, fmt: KiviFormat | None)
     """Decode of the last token of ``seq_len`` recomputed from the K/V alone: H2O scores of
     the whole prompt (or its score window) in one pass, pooled, the kept tokens, KIVI round
     trip of whole groups (prompt and each folded ring), exact attention over all of it."""
+    keys, values = reference_context(world, r, seq_len, fmt)
+    return reference_attention(world, world.q[r][seq_len - 1], keys, values)
+
+
+def reference_attention(world: World, query, keys, values):
+    """One query row ``[hq, d]`` over keys, values ``[h, T, d]``."""
+    out, _ = attention_with_lse_reference(query.view(1, 1, *query.shape), keys[None].float(),
+                                          values[None].float(), None, world.ctx.scale)
+    return out[0, 0]
+
+
+def reference_context(world: World, r: str, seq_len: int, fmt: KiviFormat | None):
+    """What the token at ``seq_len - 1`` attends, as ``reference_output`` builds it: keys and
+    values ``[h, T, d]``."""
     m, p = world.method, world.prompt[r]
     s, h = m.settings, m.shapes.num_kv_heads
     k, v, q = world.k[r], world.v[r], world.q[r]
@@ -201,11 +215,7 @@ def reference_output(world: World, r: str, seq_len: int, fmt: KiviFormat | None)
             values.append(dv.transpose(0, 1))
         keys.append(pk[:, n:])
         values.append(pv[:, n:])
-    keys, values = torch.cat(keys + [ring[0]], 1), torch.cat(values + [ring[1]], 1)
-    out, _ = attention_with_lse_reference(q[seq_len - 1].view(1, 1, *q.shape[1:]),
-                                          keys[None].float(), values[None].float(), None,
-                                          world.ctx.scale)
-    return out[0, 0]
+    return torch.cat(keys + [ring[0]], 1), torch.cat(values + [ring[1]], 1)
 
 
 CASES = {
@@ -242,6 +252,55 @@ def test_decode_from_pages_equals_the_reference(case, mode):
     assert stats.decode_steps == gen and stats.selected == gen * 2 * (heavy + recent)
     if settings.bits != 16:
         assert heavy + recent < p  # really compressed
+
+
+@pytest.mark.parametrize("mode", ["auto", "torch"])
+@pytest.mark.parametrize("committed, guesses", [(1, 1), (2, 1), (1, 2)])
+def test_guess_rows_see_what_the_last_committed_row_sees(committed, guesses, mode):
+    """Steps of ``committed`` rows (in the pages) and ``guesses`` guess rows (their K/V the
+    step's own, never written) for a ragged batch past folds of the ring, one request joining
+    late and one finishing early: each committed row equals the plain step's reference, each
+    guess row attends the last committed row's context and the guesses up to itself."""
+    settings = MiniKVSettings(min_sparse_len=100, residual=16)
+    method = make_method(settings, h=2, d=64, num_layers=1)
+    requests = {"a": (150, 40), "b": (333, 36), "c": (212, 14)}
+    world = World(method, requests, seed=5)
+    for r in requests:
+        world.prefill(r, chunk=100)
+    g, fmt = torch.Generator().manual_seed(6), method.pages.fmt
+    progress = dict.fromkeys(requests, 0)  # generated tokens in each context
+    for step in range(20):
+        live = {r: world.prompt[r] + n + committed for r, n in progress.items()
+                if n + committed <= requests[r][1] and (r != "b" or step >= 4)}
+        rows, q, k, v, want = [], [], [], [], {}
+        for r, s in live.items():
+            world.write(r, s - committed, s)
+            gq, gk, gv = (torch.randn(guesses, *t[r].shape[1:], generator=g)
+                          for t in (world.q, world.k, world.v))
+            start = len(rows) * (committed + guesses)
+            rows.append(RequestRows(r, world.prompt[r], s + guesses, start,
+                                    start + committed + guesses, world.blocks[r],
+                                    guess=guesses))
+            q += [world.q[r][s - committed:s], gq]
+            k += [world.k[r][s - committed:s], gk]
+            v += [world.v[r][s - committed:s], gv]
+            keys, values = reference_context(world, r, s, fmt)
+            want[r] = [reference_output(world, r, s - committed + i + 1, fmt)
+                       for i in range(committed)] + [
+                reference_attention(world, gq[j], torch.cat([keys, gk[:j + 1].transpose(0, 1)], 1),
+                                    torch.cat([values, gv[:j + 1].transpose(0, 1)], 1))
+                for j in range(guesses)]
+        q, k, v = torch.cat(q), torch.cat(k), torch.cat(v)
+        out = torch.zeros_like(q)
+        with ops.kernel_mode(mode):
+            method.decode(world.ctx, rows, q, k, v, out)
+        for row in rows:
+            torch.testing.assert_close(out[row.start:row.end].float(),
+                                       torch.stack(want[row.req_id]), atol=2e-5, rtol=2e-5)
+        for r in live:
+            progress[r] += committed
+    assert progress["c"] == requests["c"][1] and 0 < progress["b"] < progress["a"]
+    assert progress["a"] > settings.residual  # past a fold
 
 
 def test_covering_settings_are_dense_attention():

@@ -13,7 +13,7 @@ import torch
 from vllm_shadowkv.backend.exact_attention import (causal_attention, exact_kv, exact_rows,
                                                    exact_view)
 from vllm_shadowkv.core import ops
-from vllm_shadowkv.core.attention import attention_with_lse, merge_attention
+from vllm_shadowkv.core.attention import merge_attention
 from vllm_shadowkv.core.fidelity import chunk_attention_mass, measure_fidelity
 from vllm_shadowkv.core.heavy_hitters import accumulate_column_sums, select_heavy_hitters
 from vllm_shadowkv.core.kivi import quantize_groups
@@ -172,12 +172,8 @@ class MiniKVMethod(KVMethod):
         batch = self._batch_plan(reqs, plans)
 
         ring = self._ring(layer, reqs, s_q)
-        if guess == 0:  # the 16-bit rows, then the ring (causal): all in the pages, read there
-            ring_k, ring_v = ring.rows(layer)
-            result, lse = ops.decode_attention(
-                q, self.pages.row_pool(layer.kv_cache), torch.cat([batch.key_rows, ring_k], 2),
-                torch.cat([batch.value_rows, ring_v], 2), batch.key_rows.shape[2],
-                batch.row_count, ring.no_slots, 1, ring.before, layer.scale)
+        if guess == 0:
+            result, lse = self._attend_pages(layer, batch, ring, q, ring.before)
         else:
             result, lse = self._attend_with_guess(layer, batch, ring, guess, q, key, value,
                                                   rows)
@@ -221,30 +217,61 @@ class MiniKVMethod(KVMethod):
         out, _ = merge_attention([out_exact, out_q], [lse_exact, lse_q])
         return out
 
+    def _attend_pages(self, layer: LayerContext, batch: BatchPlan, ring: Ring, q: torch.Tensor,
+                      before: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The 16-bit rows, then the ring, read where they lie in the pages: query row i of
+        request b sees the ring's first ``before[b] + i + 1`` tokens."""
+        ring_k, ring_v = ring.rows(layer)
+        return ops.decode_attention(
+            q, self.pages.row_pool(layer.kv_cache), torch.cat([batch.key_rows, ring_k], 2),
+            torch.cat([batch.value_rows, ring_v], 2), batch.key_rows.shape[2], batch.row_count,
+            ring.no_slots, 1, before, layer.scale)
+
     def _attend_with_guess(self, layer: LayerContext, batch: BatchPlan, ring: Ring, guess: int,
                            q: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                            rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The exact part of a step with guess rows: their K/V are the step's own, not in the
-        pages, so every part is gathered and masked (the guess rows see what the last committed
-        row sees, and the guesses before them)."""
-        n, s_q, device = q.shape[0], q.shape[1], q.device
-        ring_k, ring_v = exact_kv(layer.kv_cache, layer.layout, ring.blocks, ring.slots)
-        step = torch.arange(s_q, device=device)
-        guess_k, guess_v = (t[rows].unflatten(0, (n, s_q))[:, s_q - guess:].transpose(1, 2)
-                            for t in (key, value))  # [B, h, guess, d]
-        guess_mask = step.view(-1, 1) >= s_q - guess + step[:guess]
-        pool, width = self.pages.row_pool(layer.kv_cache), batch.key_rows.shape[2]
-        row_mask = torch.arange(width, device=device) < batch.row_count.view(-1, 1)
-        keys = torch.cat([pool[batch.key_rows], ring_k, guess_k], dim=2)  # [B, h, T + R + u, d]
-        values = torch.cat([pool[batch.value_rows], ring_v, guess_v], dim=2)
-        # Ring token j is visible to query row i when j <= before + i; a guess row sees what
-        # the last committed row sees (the whole ring, not the padding).
-        ring_mask = torch.arange(ring.blocks.shape[1], device=device) <= (
-            ring.before.view(-1, 1, 1, 1)
-            + step.clamp(max=s_q - guess - 1).view(1, 1, -1, 1))
-        mask = torch.cat([row_mask.view(n, 1, 1, width).expand(-1, -1, s_q, -1), ring_mask,
-                          guess_mask.expand(n, 1, -1, -1)], -1)
-        return attention_with_lse(q, keys, values, mask, layer.scale)
+        """The exact part of a step with guess rows, read in place as a plain step's is. A guess
+        row sees what the last committed row sees, and the guesses up to itself, whose K/V are
+        the step's own (never in the pages). So the last committed row and the guess rows
+        attend the pages in one call, as more query heads of one row (each KV head's rows
+        read once); the rows before it, causally, in another; the guesses' own K/V are then
+        merged into the guess rows by their LSE."""
+        n, s_q, h_q, d = q.shape
+        h, committed = self.shapes.num_kv_heads, s_q - guess
+        g, shared = h_q // h, guess + 1  # the rows that see the same pages and ring
+        heads = q[:, committed - 1:].reshape(n, shared, h, g, d).transpose(1, 2)
+        out, lse = self._attend_pages(layer, batch, ring, heads.reshape(n, 1, h * shared * g, d),
+                                      ring.before + committed - 1)
+        out = out.view(n, h, shared, g, d).transpose(1, 2).reshape(n, shared, h_q, d)
+        lse = lse.view(n, h, shared, g).transpose(1, 2).reshape(n, shared, h_q)
+        guess_k, guess_v = (t[rows].unflatten(0, (n, s_q))[:, committed:].float()
+                            for t in (key, value))  # [n, guess, h, d]
+        guessed = self._with_own_guesses(q[:, committed:], guess_k, guess_v, out[:, 1:],
+                                         lse[:, 1:], layer.scale)
+        outs, lses = [out[:, :1], guessed[0]], [lse[:, :1], guessed[1]]
+        if committed > 1:
+            before = self._attend_pages(layer, batch, ring, q[:, :committed - 1], ring.before)
+            outs.insert(0, before[0])
+            lses.insert(0, before[1])
+        return torch.cat(outs, 1), torch.cat(lses, 1)
+
+    @staticmethod
+    def _with_own_guesses(q, keys, values, out, lse, scale):
+        """Guess rows' attention ``out``, ``lse`` over the pages merged with their attention
+        over the step's guesses (``keys``, ``values`` ``[n, u, h, d]``, causal among the u
+        rows), in fp32: a few small products, no kernel call."""
+        n, u, h_q, d = q.shape
+        h = keys.shape[2]
+        logits = torch.einsum("nihgd,njhd->nhgij", q.float().view(n, u, h, h_q // h, d),
+                              keys) * scale
+        causal = torch.ones(u, u, dtype=torch.bool, device=q.device).tril()
+        own_lse = logits.masked_fill_(~causal, float("-inf")).logsumexp(-1, keepdim=True)
+        own = torch.einsum("nhgij,njhd->nihgd", (logits - own_lse).exp_(), values)
+        own_lse = own_lse.squeeze(-1).permute(0, 3, 1, 2).reshape(n, u, h_q)
+        total = torch.logaddexp(lse, own_lse)
+        merged = (out.float() * (lse - total).exp_().unsqueeze(-1)
+                  + own.reshape(n, u, h_q, d) * (own_lse - total).exp_().unsqueeze(-1))
+        return merged.to(out.dtype), total
 
     def _ring(self, layer: LayerContext, reqs: list[RequestRows], s_q: int) -> Ring:
         """The 16-bit generated tokens not folded yet, this step's committed ones included (shared
