@@ -9,6 +9,8 @@ guesses, only column 0 of the output (the output row's token) is kept: the guess
 rejected, vLLM rolls its position back and it is never committed. For the requests the
 attention pre-decoded this step (methods/specache/guess.py), the whole row is dropped and the
 next guess is the argmax of the output row's logits: the paper's first speculative token.
+The requests whose output token was not the guess fed beside it are recorded for the next
+step's attention (``verify_guess: "miss"``).
 """
 
 from __future__ import annotations
@@ -39,11 +41,12 @@ def sample_with_guesses(original, runner, logits, spec_decode_metadata):
     from vllm.v1.sample.rejection_sampler import PLACEHOLDER_TOKEN_ID
 
     from vllm_shadowkv.methods.specache.guess import (GuessProposer, keep_guesses,
-                                                      take_pre_decoded)
+                                                      set_missed, take_pre_decoded)
 
     drafter = getattr(runner, "drafter", None)
     pre_decoded = take_pre_decoded()
     if not isinstance(drafter, GuessProposer) or spec_decode_metadata is None:
+        set_missed(())  # no guess fed this step
         return original(runner, logits, spec_decode_metadata)
     last = spec_decode_metadata.bonus_logits_indices
     rows = ([i for i, r in enumerate(runner.input_batch.req_ids[:len(last)]) if r in pre_decoded]
@@ -62,6 +65,8 @@ def sample_with_guesses(original, runner, logits, spec_decode_metadata):
         output.sampled_token_ids[i] = PLACEHOLDER_TOKEN_ID
         confirmed[i] = dropped[i] = True
     keep_guesses(guesses, confirmed, dropped)
+    set_missed(r for r, n, hit in zip(runner.input_batch.req_ids, spec_decode_metadata
+                                      .num_draft_tokens, confirmed) if n and not hit)
     return output
 
 

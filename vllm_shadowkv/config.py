@@ -70,20 +70,24 @@ def _typed(key: str, name: str, value: Any, hint) -> Any:
         return None
     if isinstance(value, (list, tuple)) and any(typing.get_origin(t) is tuple for t in allowed):
         return tuple(value)  # a list setting (TailorKV's q_layers): check() sees the items
-    want = next(t for t in (bool, str, float, int) if t in allowed)
-    ok = isinstance(value, int) and not isinstance(value, bool)
-    if want is float:
-        ok = ok or isinstance(value, float)
+    wants = [t for t in (bool, str, float, int) if t in allowed]
+    for want in wants:  # the first type the value is (a setting may take true or a word)
+        if _is(value, want):
+            return want(value)
+    kind = " or ".join(_KINDS[want] for want in wants)
+    if any(typing.get_origin(t) is tuple for t in allowed):
+        kind = f"a list or {kind}"
+    raise SettingsError(f"{key}.{name} must be {kind}, got {value!r} ({type(value).__name__})")
+
+
+_KINDS = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+
+
+def _is(value: Any, want: type) -> bool:
     if want in (bool, str):
-        ok = isinstance(value, want)
-    if not ok:
-        kind = {int: "an integer", float: "a number", bool: "true or false",
-                str: "a string"}[want]
-        if any(typing.get_origin(t) is tuple for t in allowed):
-            kind = f"a list or {kind}"
-        raise SettingsError(f"{key}.{name} must be {kind}, got {value!r} "
-                            f"({type(value).__name__})")
-    return want(value)
+        return isinstance(value, want)
+    return (isinstance(value, int) and not isinstance(value, bool)
+            or want is float and isinstance(value, float))
 
 
 @dataclass(frozen=True)

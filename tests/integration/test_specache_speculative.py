@@ -57,20 +57,30 @@ def test_covering_settings_equal_the_default_backend(tiny_model, tmp_path):
     assert_guess_rows_ran(test)
 
 
-@pytest.mark.parametrize("verify", [False, True])
+@pytest.mark.parametrize("verify", [False, True, "miss"])
 def test_defaults_run_the_guess_row(tiny_model, tmp_path, verify):
     """The defaults (1 bit, group 64, top 64 of a 3K prompt, generated tokens folded every
-    64) with the speculative prefetch, its guesses verified or not (and then, without
-    pre-decoding, the first step's output row fetching its own top-k); the threshold lowered
-    to the tiny model's prompts."""
+    64) with the speculative prefetch, its guesses verified at every step (and then, without
+    pre-decoding, the first step's output row fetching its own top-k), after wrong guesses
+    only, or never; the threshold lowered to the tiny model's prompts."""
+    pre_decoded = verify is not True
     result = run_specache(tiny_model, {"min_sparse_len": 2048, "prefetch": "speculative",
-                                       "verify_guess": verify, "pre_decode": not verify,
+                                       "verify_guess": verify, "pre_decode": pre_decoded,
                                        "measure_fidelity": True}, tmp_path)
-    assert_guess_rows_ran(result, pre_decoded=not verify)
+    assert_guess_rows_ran(result, pre_decoded=pre_decoded)
     # The probe: of the output rows' own top-k, the share their previous guess row fetched.
     (sparse,) = [s for s in {**result["stats"][0]["finished"], **result["stats"][0]["requests"]}
                  .values() if s["mode"] == "sparse"]
     assert sparse["speculated"] > 0 and 0 < sparse["speculation_hits"] <= sparse["speculated"]
+    # Verified: every decode step after the first (True), those after a wrong guess ("miss",
+    # in every layer of the step), none (False).
+    steps = MAX_TOKENS - 1  # the first token is the prompt's
+    verified = sparse["verified_steps"]
+    assert verified % TINY_LAYERS == 0 and verified <= TINY_LAYERS * steps, sparse
+    if verify is True:  # the first decode step picks its own: nothing was picked ahead
+        assert verified == TINY_LAYERS * (steps - 1), sparse
+    if verify is False:
+        assert verified == 0, sparse
 
 
 def _dir(tmp_path, name):

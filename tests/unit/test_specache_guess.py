@@ -54,6 +54,7 @@ def test_guess_is_the_guess_rows_argmax_and_rejected_unless_accepted(cls, kept):
     emitted = [[t for t in row if t != PLACEHOLDER] for row in kept]
     # Next guesses: the last logits row of each request, taken before the sampler ran.
     assert proposer.propose(emitted, None, None) == [[21], [31], [12]]
+    assert guess.missed() == {"r2"}  # fed 40, wrote 41: its next step verifies on "miss"
 
 
 def test_after_a_wrong_guess_the_context_is_looked_up():
@@ -129,3 +130,4 @@ def test_other_runners_are_left_alone():
     plain = SimpleNamespace(drafter=_proposer(guess.GuessProposer))
     assert sample_with_guesses(original, plain, torch.zeros(2, 5), None) == "sampled"
     assert calls == ["m", None] and guess.take_guesses() is None
+    assert guess.missed() == set()  # a step without guesses leaves nothing to verify

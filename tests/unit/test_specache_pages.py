@@ -18,6 +18,7 @@ from vllm_shadowkv.core.store import InMemoryValueStore
 from vllm_shadowkv.methods.base import KVShapes, LayerContext, RequestRows
 from vllm_shadowkv.methods.slots import plan_fetch
 from vllm_shadowkv.methods.specache import SpeCacheMethod, SpeCacheSettings
+from vllm_shadowkv.methods.specache.guess import set_missed
 from vllm_shadowkv.store import CpuValueStore
 
 
@@ -148,13 +149,15 @@ def random_guess(world: World, g: torch.Generator, scale: float = 1.0):
 
 
 @pytest.mark.parametrize("bits, verify, pre_decode", [
-    (1, False, False), (2, False, False), (1, True, False), (1, False, True), (2, True, True)])
+    (1, False, False), (2, False, False), (1, True, False), (1, False, True), (2, True, True),
+    (1, "miss", False), (2, "miss", True)])
 def test_speculative_decode_attends_the_previous_guess_rows_top_k(bits, verify, pre_decode):
     """Rows [output, guess] past two folds of the ring: the output row attends the top-k the
     previous step's guess row picked (its own in the first step, nothing picked before it;
-    with verify_guess, its own in every step), the guess row the same plus the output row and
-    itself, and picks the next step's. Pre-decoding first: both rows attend the low-bit cache
-    alone and the output row picks; vLLM then decodes the same token again."""
+    with verify_guess, its own in every step; with "miss", at the steps after a wrong guess,
+    here every third), the guess row the same plus the output row and itself, and picks the
+    next step's. Pre-decoding first: both rows attend the low-bit cache alone and the output
+    row picks; vLLM then decodes the same token again."""
     settings = SpeCacheSettings(bits=bits, group_size=32, residual=32, top_k=24,
                                 prefetch="speculative", verify_guess=verify,
                                 pre_decode=pre_decode, min_sparse_len=128)
@@ -164,8 +167,11 @@ def test_speculative_decode_attends_the_previous_guess_rows_top_k(bits, verify, 
     world.prefill("r", chunk=128)
     g, picked = torch.Generator().manual_seed(1), None
     steps = [p + 1] * pre_decode + list(range(p + 1, p + gen + 1))
+    verified = 0
     for i, s in enumerate(steps):
         gq, gk, gv = guess = random_guess(world, g)
+        wrong = verify == "miss" and i % 3 == 2
+        set_missed(["r"] if wrong else [])
         out = guess_step(world, {"r": s}, {"r": guess})["r"]
         keys, values = low_bit_context(world, "r", s)
         row = world.q["r"][s - 1]
@@ -173,20 +179,24 @@ def test_speculative_decode_attends_the_previous_guess_rows_top_k(bits, verify, 
         if pre:
             top = torch.empty(2, 0, dtype=torch.long)  # nothing fetched: low-bit alone
         else:
-            top = top_k(world, "r", keys, row) if picked is None or verify else picked
+            own = picked is None or verify is True or wrong
+            verified += picked is not None and own
+            top = top_k(world, "r", keys, row) if own else picked
         own_top = top_k(world, "r", keys, row)
         keys, values = torch.cat([keys, gk[:, None]], 1), torch.cat([values, gv[:, None]], 1)
         want = [attend(world, "r", keys[:, :-1], values[:, :-1], top, row),
                 attend(world, "r", keys, values, top, gq)]
         torch.testing.assert_close(out.float(), torch.stack(want), atol=2e-5, rtol=2e-5)
         picked = own_top if pre else top_k(world, "r", keys, gq)
+    set_missed([])
     stats = world.stats["r"]
     assert stats.pre_decode_steps == pre_decode  # one step of the layer the world runs
+    assert stats.verified_steps == verified and (verified > 0) == bool(verify)
     fetched = stats.bytes_fetched // (2 * 64 * 4)
     # Each step fetches the guess row's top-k (the pre-decoding step its output row's), written
     # at the next step (the last step's is still on its way); without pre-decoding the first
-    # step (with verify_guess every step) the output row's before it too.
-    asked = (2 * gen - 1 + pre_decode if verify else gen) * 2 * settings.top_k
+    # step (with verify_guess the verified steps) the output row's before it too.
+    asked = (gen + verified) * 2 * settings.top_k
     assert stats.hits + fetched == asked and 0 < fetched
     assert method._pending[0]
     method.release("r")

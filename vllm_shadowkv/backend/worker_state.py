@@ -63,6 +63,9 @@ class RequestStats:
     speculated: int = 0
     speculation_hits: int = 0
     pre_decode_steps: int = 0  # SpeCache's pre-decoding calls (tokens dropped), over layers
+    # SpeCache's speculative calls whose output row also picked its own top-k and fetched in
+    # line what the guess had not (verify_guess), over layers
+    verified_steps: int = 0
     # measure_fidelity only: layer -> [sum of relative errors, sum of chunk recalls, steps]
     fidelity: dict[int, list[float]] = field(default_factory=dict)
 

@@ -13,6 +13,11 @@ output row's argmax is the first guess. The attention marks the requests it pre-
 (``mark_pre_decoded``); the sampling patch then drops the step's tokens and
 patches/pre_decode.py rolls the step back, so the first token is decoded again, with the
 prefetched rows and that guess.
+
+Verifying on a miss (``verify_guess: "miss"``): the sampling patch also records the requests
+whose output token differed from the guess fed beside it (``set_missed``). The slots their
+guess row picked were picked for another token, so at their next step the attention lets the
+output row pick its own top-k and fetches what the slots lack (``missed``).
 """
 
 from __future__ import annotations
@@ -31,6 +36,8 @@ LOOKUP_MAX = 16  # the longest context suffix the lookup matches
 _guesses: tuple[list[int], list[bool], list[bool]] | None = None
 # This step's pre-decoded request ids, from the attention to the sampling patch.
 _pre_decoded: set[str] = set()
+# The requests whose last guess was wrong, from the sampling patch to the next step's attention.
+_missed: frozenset[str] = frozenset()
 
 
 def keep_guesses(guesses: list[int], confirmed: list[bool], pre_decoded: list[bool]) -> None:
@@ -52,6 +59,16 @@ def take_pre_decoded() -> set[str]:
     global _pre_decoded
     taken, _pre_decoded = _pre_decoded, set()
     return taken
+
+
+def set_missed(req_ids) -> None:
+    global _missed
+    _missed = frozenset(req_ids)
+
+
+def missed() -> frozenset[str]:
+    """The requests whose output token at the last step was not the guess fed beside it."""
+    return _missed
 
 
 @functools.cache

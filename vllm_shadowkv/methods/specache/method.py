@@ -29,7 +29,7 @@ from vllm_shadowkv.methods.base import KVShapes, LayerContext, RequestRows
 from vllm_shadowkv.methods.minikv.method import MiniKVMethod
 from vllm_shadowkv.methods.minikv.pages import BatchPlan, MiniKVPages, RequestPlan
 from vllm_shadowkv.methods.slots import SlotFetch, held_slots, plan_fetch
-from vllm_shadowkv.methods.specache.guess import mark_pre_decoded
+from vllm_shadowkv.methods.specache.guess import mark_pre_decoded, missed
 from vllm_shadowkv.methods.specache.settings import SpeCacheSettings
 from vllm_shadowkv.store import paged_bytes
 
@@ -118,8 +118,8 @@ class SpeCacheMethod(MiniKVMethod):
         the speculative mode, those of the previous step's guess row instead, fetched then,
         and after the attention the guess row's top-k is fetched for the next step. A request
         with nothing picked ahead (its first decode step, a step without a guess) picks now,
-        and so does every request with ``verify_guess``: only what the guess missed is then
-        fetched in line. With ``pre_decode`` a request's first decode step with a guess is
+        and so does every request with ``verify_guess`` (with "miss", every request whose
+        last guess was wrong): only what the guess missed is then fetched in line. With ``pre_decode`` a request's first decode step with a guess is
         instead the paper's pre-decoding: nothing fetched, its output row attends the low-bit
         cache alone and picks the next step's top-k, and its tokens are dropped
         (methods/specache/guess.py)."""
@@ -140,10 +140,15 @@ class SpeCacheMethod(MiniKVMethod):
         self._undecoded.difference_update(keys)
         self._pre_decoding = {keys[i] for i in pre}
         # Who picks from the output row now and fetches in line: with verify_guess every
-        # request (the guess's misses), else those with nothing picked ahead; never the
-        # pre-decoded ones, whose output row picks for the next step.
-        now = [i for i in range(n) if i not in pre
-               and (self.settings.verify_guess or i not in picked_ahead)]
+        # request (with "miss", those whose guess was wrong), and those with nothing picked
+        # ahead; never the pre-decoded ones, whose output row picks for the next step.
+        verify = self.settings.verify_guess
+        wrong = missed() if verify == "miss" else frozenset()
+        now = [i for i in range(n) if i not in pre and (
+            verify is True or i not in picked_ahead or reqs[i].req_id in wrong)]
+        for i in picked_ahead:
+            if i in now:
+                layer.stats(reqs[i].req_id).verified_steps += 1
         measure = self.settings.measure_fidelity and bool(picked_ahead)
         # One pass over the low-bit cache, all of it, with the logits of the row that picks
         # next: the guess row's when picking ahead, else the output row's.

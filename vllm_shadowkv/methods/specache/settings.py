@@ -50,11 +50,14 @@ class SpeCacheSettings(EveryTokenQuantized, EngineSettings):
     attention (nothing is picked ahead). Off: the guess only steers the prefetch and its K/V
     are never kept, as in the paper."""
 
-    verify_guess: bool = False
-    """Speculative only: the output row still picks its own top-k, and the tokens of it that
-    the previous step's guess did not prefetch are fetched in line before the attention; the
-    same attention as "current", with most of the fetch ahead of the step. Off: the output row
-    attends what the guess prefetched, as in the paper."""
+    verify_guess: bool | str = False
+    """Speculative only. true: the output row still picks its own top-k at every step, and the
+    tokens of it that the previous step's guess did not prefetch are fetched in line before
+    the attention; the same attention as "current", with most of the fetch ahead of the step.
+    "miss": the same, only at the steps whose guess was wrong (the output token is not the
+    guess whose row picked the slots, so they were picked for another token); at the others
+    the output row attends what the guess prefetched. false: it always attends what the guess
+    prefetched, as in the paper."""
     pre_decode: bool = True
     """Speculative only: a compressed request's first decode step is the paper's pre-decoding
     (Alg. 2), one extra forward whose token is not emitted: its output row attends the low-bit
@@ -86,6 +89,9 @@ class SpeCacheSettings(EveryTokenQuantized, EngineSettings):
         if self.prefetch not in PREFETCH_MODES:
             raise SettingsError(f"specache.prefetch must be one of "
                                 f"{', '.join(map(repr, PREFETCH_MODES))}, got {self.prefetch!r}")
+        if not isinstance(self.verify_guess, bool) and self.verify_guess != "miss":
+            raise SettingsError(f"specache.verify_guess must be one of false, true, 'miss', "
+                                f"got {self.verify_guess!r}")
         for name in ("accept_guess", "verify_guess"):
             if getattr(self, name) and self.prefetch != "speculative":
                 raise SettingsError(f"specache.{name} needs prefetch 'speculative' (there is "
