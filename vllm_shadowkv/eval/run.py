@@ -249,7 +249,8 @@ def main(argv: list[str] | None = None) -> dict:
                                                           if stats and stats.get("speculated")
                                                           else None),
                                  "decode_steps": stats["decode_steps"] if stats else None,
-                                 "verified_steps": stats.get("verified_steps") if stats else None,
+                                 "verified_steps": (stats.get("verified_steps") if stats
+                                                    else None),
                                  **fidelity(stats)})
         records += rows
         engine_rows.append({"backend": spec.label,

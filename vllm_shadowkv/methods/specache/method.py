@@ -119,10 +119,10 @@ class SpeCacheMethod(MiniKVMethod):
         and after the attention the guess row's top-k is fetched for the next step. A request
         with nothing picked ahead (its first decode step, a step without a guess) picks now,
         and so does every request with ``verify_guess`` (with "miss", every request whose
-        last guess was wrong): only what the guess missed is then fetched in line. With ``pre_decode`` a request's first decode step with a guess is
-        instead the paper's pre-decoding: nothing fetched, its output row attends the low-bit
-        cache alone and picks the next step's top-k, and its tokens are dropped
-        (methods/specache/guess.py)."""
+        last guess was wrong): only what the guess missed is then fetched in line. With
+        ``pre_decode`` a request's first decode step with a guess is instead the paper's
+        pre-decoding: nothing fetched, its output row attends the low-bit cache alone and
+        picks the next step's top-k, and its tokens are dropped (methods/specache/guess.py)."""
         if not self.settings.top_k:
             return super()._merge_quantized(layer, reqs, plans, q, batch, out_exact, lse_exact)
         n, s_q, hq, d = q.shape
