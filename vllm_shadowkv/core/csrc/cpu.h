@@ -81,7 +81,9 @@ static inline void amx_configure(void) {
     for (int tile = 0; tile < 8; tile++) config.colsb[tile] = 64, config.rows[tile] = 16;
     _tile_loadconfig(&config);
 }
+#endif
 
+#if defined(__AVX512BF16__) || defined(__AMX_BF16__)
 /* Rows [k, columns <= 16] of bf16 (row stride in elements) as B tiles: for each 32 rows,
  * [16 pairs of rows][16 columns][2], zero past k rows and past ``columns``. Each tile row
  * interleaves two source rows in one permutation. */

@@ -3,10 +3,12 @@
  * RoPE(A rows x B[b, h]) at the tokens' positions, written where the slot lies (the engine's
  * pages, or a [B, h_kv, k * c, d] tensor).
  *
- * A rows are gathered 16 at a time (whatever chunk they come from) into a zero-padded buffer;
- * with bf16 A and B and AMX, B[b, h] is laid out as B tiles once per (b, h) and each 16 x 16
- * block of keys is one tile product per 32 of the rank; otherwise B is converted to fp32 once
- * per (b, h) and each key row is a sum of B's rows scaled by the A row (vectorised over d).
+ * A rows are gathered 16 at a time (whatever chunk they come from) into a zero-padded buffer,
+ * and with bf16 A and B, B[b, h] is laid out as AMX B tiles once per (b, h): with AMX each
+ * 16 x 16 block of keys is one tile product per 32 of the rank; with AVX512-BF16 each 4 keys x
+ * 64 columns are 16 registers of sums, one dot of two rank elements per register and pair.
+ * Otherwise B is converted to fp32 once per (b, h), and 4 keys x 64 columns at a time are
+ * summed over the rank in registers (each B row read once for the 4 keys, not once per key).
  * The products are summed in fp32 and rotated in fp32, as the reference does. */
 #include <stdlib.h>
 
@@ -69,17 +71,131 @@ static int tokens_of(const struct rebuild *p, const int32_t *slot_chunks,
     return n;
 }
 
+#define KEY_TOKENS 4   /* keys summed together, sharing each row of B they read */
+#define KEY_COLUMNS 64 /* columns of those keys in registers at once (16 vectors of 16) */
+
+/* keys[t][e0, e0 + w) = sum_j rows[t][j] * bf[j][e0, ...) for the KEY_TOKENS rows; w a constant
+ * where inlined. With AVX-512 the sums stay in 4 x w / 16 registers (gcc's vectorised loop
+ * kept them in memory: a load and a store per product). */
+static inline __attribute__((always_inline)) void f32_block(const float *rows, int rank,
+                                                           const float *bf, int d, int e0,
+                                                           float *keys, const int w) {
+#if defined(__AVX512F__)
+    if (w % 16 == 0) {
+        __m512 acc[KEY_TOKENS][KEY_COLUMNS / 16];
+        for (int t = 0; t < KEY_TOKENS; t++)
+            for (int e = 0; e < w / 16; e++) acc[t][e] = _mm512_setzero_ps();
+        for (int j = 0; j < rank; j++) {
+            __m512 bv[KEY_COLUMNS / 16];
+            for (int e = 0; e < w / 16; e++)
+                bv[e] = _mm512_loadu_ps(bf + (int64_t)j * d + e0 + 16 * e);
+            for (int t = 0; t < KEY_TOKENS; t++) {
+                const __m512 a = _mm512_set1_ps(rows[t * rank + j]);
+                for (int e = 0; e < w / 16; e++) acc[t][e] = _mm512_fmadd_ps(a, bv[e], acc[t][e]);
+            }
+        }
+        for (int t = 0; t < KEY_TOKENS; t++)
+            for (int e = 0; e < w / 16; e++)
+                _mm512_storeu_ps(keys + (int64_t)t * d + e0 + 16 * e, acc[t][e]);
+        return;
+    }
+#endif
+    float acc[KEY_TOKENS][KEY_COLUMNS] = {{0}};
+    for (int j = 0; j < rank; j++) {
+        const float *bj = bf + (int64_t)j * d + e0;
+        for (int t = 0; t < KEY_TOKENS; t++) {
+            const float a = rows[t * rank + j];
+            for (int e = 0; e < w; e++) acc[t][e] += a * bj[e];
+        }
+    }
+    for (int t = 0; t < KEY_TOKENS; t++) memcpy(keys + (int64_t)t * d + e0, acc[t], w * 4);
+}
+
 static void f32_keys(const struct rebuild *p, const struct token *tokens, int n, const float *bf,
-                     float *row, float *key) {
-    for (int i = 0; i < n; i++) {
-        const int64_t a_row = p->a_rows[tokens[i].pool_row];
-        to_f32(p->a + a_row * p->a_row_bytes, p->a_dtype, p->rank, row);
-        memset(key, 0, sizeof(float) * p->d);
-        for (int j = 0; j < p->rank; j++)
-            for (int e = 0; e < p->d; e++) key[e] += row[j] * bf[(int64_t)j * p->d + e];
-        rope_and_write(p, key, p->a_positions[tokens[i].pool_row], tokens[i].dst);
+                     float *rows, float *keys) {
+    for (int i0 = 0; i0 < n; i0 += KEY_TOKENS) {
+        const int m = n - i0 < KEY_TOKENS ? n - i0 : KEY_TOKENS;
+        memset(rows, 0, sizeof(float) * KEY_TOKENS * p->rank);
+        for (int t = 0; t < m; t++)
+            to_f32(p->a + p->a_rows[tokens[i0 + t].pool_row] * p->a_row_bytes, p->a_dtype,
+                   p->rank, rows + t * p->rank);
+        for (int i = i0 + KEY_TOKENS; i < i0 + 3 * KEY_TOKENS && i < n; i++)  /* scattered rows */
+            for (int64_t line = 0; line < p->rank * (int64_t)element_size(p->a_dtype); line += 64)
+                __builtin_prefetch(p->a + p->a_rows[tokens[i].pool_row] * p->a_row_bytes + line);
+        int e0 = 0;
+        for (; e0 + KEY_COLUMNS <= p->d; e0 += KEY_COLUMNS)
+            f32_block(rows, p->rank, bf, p->d, e0, keys, KEY_COLUMNS);
+        for (; e0 + 16 <= p->d; e0 += 16) f32_block(rows, p->rank, bf, p->d, e0, keys, 16);
+        if (e0 < p->d) f32_block(rows, p->rank, bf, p->d, e0, keys, p->d - e0);
+        for (int t = 0; t < m; t++)
+            rope_and_write(p, keys + (int64_t)t * p->d, p->a_positions[tokens[i0 + t].pool_row],
+                           tokens[i0 + t].dst);
     }
 }
+
+#if defined(__AVX512BF16__) || defined(__AMX_BF16__)
+/* The next 16 tokens' A rows (bf16) into rows [16][kb * 32], zero past the rank and past n; the
+ * 16 after them prefetched. Returns how many were copied. */
+static int gather_bf16_rows(const struct rebuild *p, const struct token *tokens, int i0, int n,
+                            int kb, uint16_t *rows) {
+    const int m = n - i0 < 16 ? n - i0 : 16;
+    memset(rows, 0, (size_t)16 * kb * 64);
+    for (int i = 0; i < m; i++)
+        memcpy(rows + i * kb * 32, p->a + p->a_rows[tokens[i0 + i].pool_row] * p->a_row_bytes,
+               (size_t)p->rank * 2);
+    for (int i = i0 + 16; i < i0 + 32 && i < n; i++)
+        for (int line = 0; line < p->rank * 2; line += 64)
+            _mm_prefetch(p->a + p->a_rows[tokens[i].pool_row] * p->a_row_bytes + line,
+                         _MM_HINT_T0);
+    return m;
+}
+#endif
+
+#if defined(__AVX512BF16__)
+/* 4 keys (rows [4][kb * 32]) x `nbs` (<= 4, constant where inlined) blocks of 16 columns from
+ * column block nb0, over B's tiles (vnni_tiles): per pair of rank elements, a key's pair
+ * broadcast and one dot with each block's pair row. */
+static inline __attribute__((always_inline)) void bf16_block(const uint16_t *rows, int kb,
+                                                            const uint16_t *tiles, int nb0,
+                                                            float *keys, int d, const int nbs) {
+    __m512 acc[4][4];
+    for (int t = 0; t < 4; t++)
+        for (int e = 0; e < nbs; e++) acc[t][e] = _mm512_setzero_ps();
+    const int32_t *pairs = (const int32_t *)rows;  /* pair P of key t: pairs[t * kb * 16 + P] */
+    for (int j = 0; j < kb; j++)
+        for (int q = 0; q < 16; q++) {
+            __m512bh bv[4];
+            for (int e = 0; e < nbs; e++)
+                bv[e] = (__m512bh)_mm512_loadu_si512(
+                    tiles + ((int64_t)(nb0 + e) * kb + j) * 512 + q * 32);
+            for (int t = 0; t < 4; t++) {
+                const __m512bh a = (__m512bh)_mm512_set1_epi32(pairs[t * kb * 16 + j * 16 + q]);
+                for (int e = 0; e < nbs; e++) acc[t][e] = _mm512_dpbf16_ps(acc[t][e], a, bv[e]);
+            }
+        }
+    for (int t = 0; t < 4; t++)
+        for (int e = 0; e < nbs; e++)
+            _mm512_storeu_ps(keys + (int64_t)t * d + (nb0 + e) * 16, acc[t][e]);
+}
+
+static void bf16_keys(const struct rebuild *p, const struct token *tokens, int n,
+                      const uint16_t *tiles, uint16_t *rows, float *keys) {
+    const int kb = (p->rank + 31) / 32, blocks = p->d / 16;
+    for (int i0 = 0; i0 < n; i0 += 16) {
+        const int m = gather_bf16_rows(p, tokens, i0, n, kb, rows);
+        for (int t0 = 0; t0 < m; t0 += 4) {  /* rows past m are zeros: their keys unused */
+            const uint16_t *four = rows + t0 * kb * 32;
+            float *out = keys + (int64_t)t0 * p->d;
+            int nb = 0;
+            for (; nb + 4 <= blocks; nb += 4) bf16_block(four, kb, tiles, nb, out, p->d, 4);
+            for (; nb < blocks; nb++) bf16_block(four, kb, tiles, nb, out, p->d, 1);
+        }
+        for (int i = 0; i < m; i++)
+            rope_and_write(p, keys + (int64_t)i * p->d, p->a_positions[tokens[i0 + i].pool_row],
+                           tokens[i0 + i].dst);
+    }
+}
+#endif
 
 #if defined(__AMX_BF16__)
 /* 16 tokens at a time: their A rows into a [16][rank padded to 32] buffer, then per 16
@@ -88,15 +204,7 @@ static void amx_keys(const struct rebuild *p, const struct token *tokens, int n,
                      const uint16_t *tiles, uint16_t *rows, float *keys) {
     const int kb = (p->rank + 31) / 32;
     for (int i0 = 0; i0 < n; i0 += 16) {
-        const int m = n - i0 < 16 ? n - i0 : 16;
-        memset(rows, 0, (size_t)16 * kb * 64);
-        for (int i = 0; i < m; i++)
-            memcpy(rows + i * kb * 32, p->a + p->a_rows[tokens[i0 + i].pool_row] * p->a_row_bytes,
-                   (size_t)p->rank * 2);
-        for (int i = i0 + 16; i < i0 + 32 && i < n; i++)  /* the next block's rows, meanwhile */
-            for (int line = 0; line < p->rank * 2; line += 64)
-                _mm_prefetch(p->a + p->a_rows[tokens[i].pool_row] * p->a_row_bytes + line,
-                             _MM_HINT_T0);
+        const int m = gather_bf16_rows(p, tokens, i0, n, kb, rows);
         /* two column blocks at a time: two independent chains of tile products */
         for (int nb = 0; nb < p->d / 16; nb += 2) {
             const int two = nb + 1 < p->d / 16;
@@ -136,14 +244,20 @@ void rebuild_keys(const void *a, int a_dtype, int64_t a_row_stride, const int64_
                               out_row_stride * (int64_t)element_size(out_dtype), slot_index,
                               h_kv, k, c};
     const int kb = (rank + 31) / 32;
-    int amx = 0;
+    const int tiled = a_dtype == BF16 && b_dtype == BF16 && d % 16 == 0;
+    int amx = 0, dots = 0;
 #if defined(__AMX_BF16__)
-    amx = a_dtype == BF16 && b_dtype == BF16 && d % 16 == 0 && amx_usable();
+    amx = tiled && amx_usable();
     if (amx) amx_configure();
 #endif
+#if defined(__AVX512BF16__)
+    dots = tiled && !amx;
+#endif
+    (void)tiled;
     struct token *tokens = malloc(sizeof(struct token) * k * c);
-    float *keys = malloc(sizeof(float) * 16 * d), *row = malloc(sizeof(float) * rank);
-    void *bbuf = malloc(amx ? (size_t)d / 16 * kb * 1024 : sizeof(float) * rank * d);
+    float *keys = malloc(sizeof(float) * 16 * d);
+    float *row = malloc(sizeof(float) * KEY_TOKENS * rank);
+    void *bbuf = malloc(amx || dots ? (size_t)d / 16 * kb * 1024 : sizeof(float) * rank * d);
     uint16_t *rows = malloc((size_t)16 * kb * 64);
     for (int bi = 0; bi < batch; bi++)
         for (int h = 0; h < h_kv; h++) {
@@ -152,13 +266,21 @@ void rebuild_keys(const void *a, int a_dtype, int64_t a_row_stride, const int64_
             const int n = tokens_of(&p, slot_chunks + bh * k, miss_slots + bh * k,
                                     miss_count[bh], bi, h, tokens);
             const char *bmat = (const char *)b + bh * rank * d * element_size(b_dtype);
-#if defined(__AMX_BF16__)
-            if (amx) {
+#if defined(__AVX512BF16__) || defined(__AMX_BF16__)
+            if (amx || dots) {
                 for (int nb = 0; nb < d / 16; nb++)  /* B's 16 columns nb as [kb] tiles */
                     vnni_tiles((const uint16_t *)bmat + nb * 16, d, rank, 16,
                                (uint16_t *)bbuf + (int64_t)nb * kb * 512);
-                amx_keys(&p, tokens, n, bbuf, rows, keys);
+#if defined(__AMX_BF16__)
+                if (amx) {
+                    amx_keys(&p, tokens, n, bbuf, rows, keys);
+                    continue;
+                }
+#endif
+#if defined(__AVX512BF16__)
+                bf16_keys(&p, tokens, n, bbuf, rows, keys);
                 continue;
+#endif
             }
 #endif
             for (int j = 0; j < rank; j++)
