@@ -148,7 +148,7 @@ def landmark_scores(q, landmarks, lm_rows, lm_start, lm_count, max_count, scale)
     if landmarks.stride(-1) != 1:  # the kernel reads a head's row as one run: copy them out
         landmarks, lm_rows = landmarks[lm_rows].contiguous(), torch.arange(lm_rows.numel())
     rows, starts, counts = _int64(lm_rows), _int32(lm_start), _int32(lm_count)
-    logits = torch.empty((s_q * h_q + 1) * max_count, dtype=torch.float32)
+    logits = torch.empty((s_q * h_q + 1) * (max_count + 32), dtype=torch.float32)  # padded rows
     row_stride, head_stride, _ = landmarks.stride()
     failed = library().landmark_scores(
         q.data_ptr(), DTYPES[q.dtype], landmarks.data_ptr(), DTYPES[landmarks.dtype],

@@ -107,12 +107,14 @@ static inline void vnni_tiles(const uint16_t *src, int64_t stride, int k, int co
 }
 #endif
 
-/* Where a request's dots go: logits[(h * nq + t) * n + i] = row i . query row t, of head h. */
+/* Where a request's dots go: logits[(h * nq + t) * ld + i] = row i . query row t, of head h
+ * (ld >= n: query rows 4 KiB apart would share the same few L1 sets). */
 struct rows {
     const char *base;
     const int64_t *ids;
     int64_t row_bytes, head_bytes;
     int n, h_kv, d;
+    int64_t ld;
 };
 
 #if defined(__AVX512F__)
@@ -146,7 +148,7 @@ static inline __attribute__((always_inline)) void bf16_dots_nv(
             __m512bh rv[MAX_HEAD_DIM / 32];
             for (int v = 0; v < nv; v++) rv[v] = load_bf16(row, v, nv, tail);
             const void *const *qh = queries + h * nq;
-            float *dots = logits + (int64_t)h * nq * r->n + i;  /* query row t at t * n */
+            float *dots = logits + (int64_t)h * nq * r->ld + i;  /* query row t at t * ld */
             int t = 0;
             for (; t + 4 <= nq; t += 4) {
                 __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
@@ -158,13 +160,13 @@ static inline __attribute__((always_inline)) void bf16_dots_nv(
                 }
                 float four[4];
                 _mm_storeu_ps(four, sum4(a0, a1, a2, a3));
-                for (int u = 0; u < 4; u++) dots[(int64_t)(t + u) * r->n] = four[u];
+                for (int u = 0; u < 4; u++) dots[(int64_t)(t + u) * r->ld] = four[u];
             }
             for (; t < nq; t++) {
                 __m512 acc = _mm512_setzero_ps();
                 for (int v = 0; v < nv; v++)
                     acc = _mm512_dpbf16_ps(acc, rv[v], load_bf16(qh[t], v, nv, tail));
-                dots[(int64_t)t * r->n] = _mm512_reduce_add_ps(acc);
+                dots[(int64_t)t * r->ld] = _mm512_reduce_add_ps(acc);
             }
         }
 }

@@ -89,7 +89,7 @@ int decode_attention(const void *q, int q_dtype, const void *rows, int dtype, in
                         __builtin_prefetch((const char *)rows + value_ids[i] * row_bytes + line);
                 if (dots16) {
 #if defined(__AVX512BF16__)
-                    const struct rows block = {rows, key_ids, row_bytes, 0, n, 1, d};
+                    const struct rows block = {rows, key_ids, row_bytes, 0, n, 1, d, n};
                     bf16_dots(&block, queries, nq, p, 0, n);
 #endif
                 } else {

@@ -26,7 +26,7 @@ static void f32_dots(const struct rows *r, int dtype, const void *const *queries
                 const float *qt = qf + (h * nq + t) * r->d;
                 float acc = 0.f;
                 for (int k = 0; k < r->d; k++) acc += row[k] * qt[k];
-                logits[((int64_t)h * nq + t) * r->n + i] = acc;
+                logits[((int64_t)h * nq + t) * r->ld + i] = acc;
             }
         }
     free(qf);
@@ -48,7 +48,7 @@ static void amx_block(const struct rows *r, int64_t step_bytes, const uint16_t *
         }
         _tile_stored(0, c, 64);
         for (int t = 0; t < nq; t++)
-            for (int j = 0; j < 16; j++) logits[((int64_t)h * nq + t) * r->n + i + j] = c[j][t];
+            for (int j = 0; j < 16; j++) logits[((int64_t)h * nq + t) * r->ld + i + j] = c[j][t];
     }
 }
 
@@ -102,7 +102,7 @@ static void row_dots(const struct rows *r, int dtype, const void *const *queries
 /* q: [B, s_q, h_q, d] contiguous, of q_dtype. landmarks: row i of head h at i * row_stride +
  * h * head_stride (elements; unit stride over d). lm_rows int64 [NL]; lm_start, lm_count int32
  * [B]. out: fp32 [B, h_kv, max_count], already -1. logits: fp32 scratch of
- * (h_q * s_q + 1) * max_count. Returns 0; 1 if d or h_q * s_q is over its maximum. */
+ * (h_q * s_q + 1) * (max_count + 32). Returns 0; 1 if d or h_q * s_q is over its maximum. */
 int landmark_scores(const void *q, int q_dtype, const void *landmarks, int dtype,
                     int64_t row_stride, int64_t head_stride, const int64_t *lm_rows,
                     const int32_t *lm_start, const int32_t *lm_count, int batch, int s_q,
@@ -110,7 +110,8 @@ int landmark_scores(const void *q, int q_dtype, const void *landmarks, int dtype
                     float *logits) {
     const int g = h_q / h_kv, nq = s_q * g;
     if (d > MAX_HEAD_DIM || h_q * s_q > MAX_QUERY_ROWS) return 1;
-    float *sum = logits + (int64_t)h_q * s_q * max_count;
+    const int64_t ld = (max_count + 15) / 16 * 16 + 16;  /* a logit row, not a multiple of 4 KiB */
+    float *sum = logits + (int64_t)h_q * s_q * ld;
     for (int b = 0; b < batch; b++) {
         const int n = lm_count[b];
         if (n == 0) continue;
@@ -121,7 +122,7 @@ int landmark_scores(const void *q, int q_dtype, const void *landmarks, int dtype
                     queries[h * nq + s * g + j] = (const char *)q +
                         (((int64_t)b * s_q + s) * h_q + h * g + j) * d * element_size(q_dtype);
         const struct rows r = {landmarks, lm_rows + lm_start[b], row_stride * element_size(dtype),
-                               head_stride * element_size(dtype), n, h_kv, d};
+                               head_stride * element_size(dtype), n, h_kv, d, ld};
         row_dots(&r, dtype, queries, q_dtype, nq, logits);
         for (int h = 0; h < h_kv; h++) {
             float *scores = out + ((int64_t)b * h_kv + h) * max_count;
@@ -129,7 +130,7 @@ int landmark_scores(const void *q, int q_dtype, const void *landmarks, int dtype
             for (int j = 0; j < g; j++) {
                 /* the group member's probabilities summed over the query tokens, in sum */
                 for (int s = 0; s < s_q; s++) {
-                    float *x = logits + ((int64_t)h * nq + s * g + j) * n, top = -INFINITY;
+                    float *x = logits + ((int64_t)h * nq + s * g + j) * ld, top = -INFINITY;
                     float total = 0.f;
                     for (int i = 0; i < n; i++) top = x[i] > top ? x[i] : top;
                     for (int i = 0; i < n; i++) {
