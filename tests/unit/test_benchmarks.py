@@ -32,6 +32,7 @@ SMOKE_RUNS = {  # the smallest sizes each takes (ShadowKV's store needs a contex
     "bench_heavy_hitters.py": ["--lengths", "512", "--reps", "1"],
     "bench_channel_top_k.py": ["--contexts", "1024", "--batches", "1,2", "--reps", "1"],
     "bench_decode_step.py": ["--contexts", "4096", "--batches", "1,2", "--reps", "1"],
+    "bench_sparse_kernels.py": ["--contexts", "1024", "--batches", "1", "2", "--reps", "1"],
     "bench_exact_decode.py": ["--contexts", "300", "--batches", "1", "2", "--reps", "1",
                               "--warmup", "0"],
     "bench_layer_decode.py": ["--contexts", "1024", "--batches", "1", "--reps", "1",

@@ -17,6 +17,9 @@ enum { F32 = 0, BF16 = 1, F16 = 2 };
 #define MAX_HEAD_DIM 512
 #define MAX_QUERY_ROWS 1024 /* a call's query rows: h_q x s_q (queries on the stack) */
 #define PREFETCH_AHEAD 4     /* rows prefetched ahead in the scattered row copies */
+/* Rows prefetched ahead by the bf16 row dots: rows are read through ids (a request's landmarks
+ * lie in runs of a page's 16 rows), where the hardware's stream prefetch starts over. */
+#define DOTS_AHEAD 2
 
 static inline size_t element_size(int dtype) { return dtype == F32 ? 4 : 2; }
 
@@ -141,7 +144,13 @@ static inline __attribute__((always_inline)) void bf16_dots_nv(
     const struct rows *r, const void *const *queries, int nq, float *logits, int i0, int i1,
     const int nv) {
     const __mmask32 tail = r->d % 32 ? (1u << r->d % 32) - 1 : ~0u;
-    for (int i = i0; i < i1; i++)
+    for (int i = i0; i < i1; i++) {
+        if (i + DOTS_AHEAD < i1) {
+            const char *ahead = r->base + r->ids[i + DOTS_AHEAD] * r->row_bytes;
+            for (int h = 0; h < r->h_kv; h++)
+                for (int line = 0; line < r->d * 2; line += 64)
+                    _mm_prefetch(ahead + h * r->head_bytes + line, _MM_HINT_T0);
+        }
         for (int h = 0; h < r->h_kv; h++) {
             const uint16_t *row = (const uint16_t *)(r->base + r->ids[i] * r->row_bytes +
                                                      h * r->head_bytes);
@@ -169,6 +178,7 @@ static inline __attribute__((always_inline)) void bf16_dots_nv(
                 dots[(int64_t)t * r->ld] = _mm512_reduce_add_ps(acc);
             }
         }
+    }
 }
 
 static inline void bf16_dots(const struct rows *r, const void *const *queries, int nq,
