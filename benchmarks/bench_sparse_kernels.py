@@ -24,6 +24,7 @@ from vllm_shadowkv.core import native, reconstruct, select
 from vllm_shadowkv.core.rope import RopeCache
 
 H_KV, H_Q, D, RANK, CHUNK = 8, 32, 128, 160, 8
+PAGE_ROWS, PAGE_LANDMARKS = 36, 16  # rows of H_KV x D per page of 128 tokens, landmark rows
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -61,11 +62,15 @@ def measure(context: int, batch: int, budget: int, dtype: torch.dtype, reps: int
     native.rebuild_keys(*args)
     rebuild_err = ((keys.float() - want.float()).norm() / want.float().norm()).item()
 
-    landmarks = torch.randn(batch * chunks, H_KV, D).to(dtype)
+    # The landmarks where the engine's pages put them: a page of 128 tokens holds their A rows
+    # (20 rows of H_KV x D) then their 16 landmark rows.
+    pages = batch * chunks // PAGE_LANDMARKS
+    landmarks = torch.randn(pages * PAGE_ROWS, H_KV, D).to(dtype)
+    lm_rows = (torch.arange(pages)[:, None] * PAGE_ROWS + PAGE_ROWS - PAGE_LANDMARKS
+               + torch.arange(PAGE_LANDMARKS)).flatten()
     q = torch.randn(batch, 1, H_Q, D).to(dtype)
     counts = torch.full((batch,), chunks, dtype=torch.int32)
-    lm = (q, landmarks, torch.arange(batch * chunks), starts * chunks, counts, chunks,
-          D ** -0.5)  # (a request's landmarks in the order of its pages)
+    lm = (q, landmarks, lm_rows, starts * chunks, counts, chunks, D ** -0.5)
     scores_c = _best_ms(lambda: native.landmark_scores(*lm), reps)
     scores_torch = _best_ms(lambda: select.landmark_scores(*lm), max(1, reps // 4))
     scores_err = (native.landmark_scores(*lm) - select.landmark_scores(*lm)).abs().max().item()
@@ -74,7 +79,7 @@ def measure(context: int, batch: int, budget: int, dtype: torch.dtype, reps: int
             "rebuild_rel_err": rebuild_err, "landmarks": batch * chunks,
             "scores_c_ms": scores_c, "scores_torch_ms": scores_torch,
             "scores_max_err": scores_err,
-            "scores_gb_s": landmarks.numel() * landmarks.element_size() / scores_c / 1e6}
+            "scores_gb_s": lm_rows.numel() * H_KV * D * landmarks.element_size() / scores_c / 1e6}
 
 
 def main() -> None:
