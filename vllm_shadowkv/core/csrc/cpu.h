@@ -3,7 +3,7 @@
 #pragma once
 #include <stdint.h>
 #include <string.h>
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 #include <math.h>

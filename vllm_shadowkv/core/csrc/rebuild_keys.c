@@ -7,8 +7,8 @@
  * and with bf16 A and B, B[b, h] is laid out as AMX B tiles once per (b, h): with AMX each
  * 16 x 16 block of keys is one tile product per 32 of the rank; with AVX512-BF16 each 4 keys x
  * 64 columns are 16 registers of sums, one dot of two rank elements per register and pair.
- * Otherwise B is converted to fp32 once per (b, h), and 4 keys x 64 columns at a time are
- * summed over the rank in registers (each B row read once for the 4 keys, not once per key).
+ * Otherwise B is converted to fp32 once per (b, h), and 4 keys x 64 columns (AVX-512; 16 with
+ * AVX2) at a time are summed over the rank in registers (each B row read once for the 4 keys).
  * The products are summed in fp32 and rotated in fp32, as the reference does. */
 #include <stdlib.h>
 
@@ -75,8 +75,8 @@ static int tokens_of(const struct rebuild *p, const int32_t *slot_chunks,
 #define KEY_COLUMNS 64 /* columns of those keys in registers at once (16 vectors of 16) */
 
 /* keys[t][e0, e0 + w) = sum_j rows[t][j] * bf[j][e0, ...) for the KEY_TOKENS rows; w a constant
- * where inlined. With AVX-512 the sums stay in 4 x w / 16 registers (gcc's vectorised loop
- * kept them in memory: a load and a store per product). */
+ * where inlined. With AVX-512 the sums stay in 4 x w / 16 registers, with AVX2 in 8 for w = 16
+ * (gcc's vectorised loop kept them in memory: a load and a store per product). */
 static inline __attribute__((always_inline)) void f32_block(const float *rows, int rank,
                                                            const float *bf, int d, int e0,
                                                            float *keys, const int w) {
@@ -97,6 +97,25 @@ static inline __attribute__((always_inline)) void f32_block(const float *rows, i
         for (int t = 0; t < KEY_TOKENS; t++)
             for (int e = 0; e < w / 16; e++)
                 _mm512_storeu_ps(keys + (int64_t)t * d + e0 + 16 * e, acc[t][e]);
+        return;
+    }
+#elif defined(__AVX2__) && defined(__FMA__)
+    if (w == 16) {  /* 16 registers: 4 keys x 2 vectors of sums, B's 2, the broadcast */
+        __m256 acc[KEY_TOKENS][2];
+        for (int t = 0; t < KEY_TOKENS; t++) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
+        for (int j = 0; j < rank; j++) {
+            const float *bj = bf + (int64_t)j * d + e0;
+            const __m256 b0 = _mm256_loadu_ps(bj), b1 = _mm256_loadu_ps(bj + 8);
+            for (int t = 0; t < KEY_TOKENS; t++) {
+                const __m256 a = _mm256_broadcast_ss(rows + t * rank + j);
+                acc[t][0] = _mm256_fmadd_ps(a, b0, acc[t][0]);
+                acc[t][1] = _mm256_fmadd_ps(a, b1, acc[t][1]);
+            }
+        }
+        for (int t = 0; t < KEY_TOKENS; t++) {
+            _mm256_storeu_ps(keys + (int64_t)t * d + e0, acc[t][0]);
+            _mm256_storeu_ps(keys + (int64_t)t * d + e0 + 8, acc[t][1]);
+        }
         return;
     }
 #endif
@@ -123,8 +142,10 @@ static void f32_keys(const struct rebuild *p, const struct token *tokens, int n,
             for (int64_t line = 0; line < p->rank * (int64_t)element_size(p->a_dtype); line += 64)
                 __builtin_prefetch(p->a + p->a_rows[tokens[i].pool_row] * p->a_row_bytes + line);
         int e0 = 0;
+#if defined(__AVX512F__)
         for (; e0 + KEY_COLUMNS <= p->d; e0 += KEY_COLUMNS)
             f32_block(rows, p->rank, bf, p->d, e0, keys, KEY_COLUMNS);
+#endif
         for (; e0 + 16 <= p->d; e0 += 16) f32_block(rows, p->rank, bf, p->d, e0, keys, 16);
         if (e0 < p->d) f32_block(rows, p->rank, bf, p->d, e0, keys, p->d - e0);
         for (int t = 0; t < m; t++)
