@@ -111,7 +111,7 @@ static inline void vnni_tiles(const uint16_t *src, int64_t stride, int k, int co
 #endif
 
 /* Where a request's dots go: logits[(h * nq + t) * ld + i] = row i . query row t, of head h
- * (ld >= n: query rows 4 KiB apart would share the same few L1 sets). */
+ * (ld >= n). */
 struct rows {
     const char *base;
     const int64_t *ids;

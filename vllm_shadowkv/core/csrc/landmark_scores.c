@@ -101,16 +101,16 @@ static void row_dots(const struct rows *r, int dtype, const void *const *queries
 
 /* q: [B, s_q, h_q, d] contiguous, of q_dtype. landmarks: row i of head h at i * row_stride +
  * h * head_stride (elements; unit stride over d). lm_rows int64 [NL]; lm_start, lm_count int32
- * [B]. out: fp32 [B, h_kv, max_count], already -1. logits: fp32 scratch of
- * (h_q * s_q + 1) * (max_count + 32). Returns 0; 1 if d or h_q * s_q is over its maximum. */
+ * [B]. out: fp32 [B, h_kv, max_count], already -1. logits: fp32 scratch of (h_q * s_q + 1)
+ * rows of ld >= max_count (native.py pads ld off a multiple of 4 KiB: query rows that far
+ * apart would share the same few L1 sets). Returns 0; 1 if d or h_q * s_q is over its maximum. */
 int landmark_scores(const void *q, int q_dtype, const void *landmarks, int dtype,
                     int64_t row_stride, int64_t head_stride, const int64_t *lm_rows,
                     const int32_t *lm_start, const int32_t *lm_count, int batch, int s_q,
                     int h_q, int h_kv, int d, int max_count, float scale, float *out,
-                    float *logits) {
+                    float *logits, int64_t ld) {
     const int g = h_q / h_kv, nq = s_q * g;
     if (d > MAX_HEAD_DIM || h_q * s_q > MAX_QUERY_ROWS) return 1;
-    const int64_t ld = (max_count + 15) / 16 * 16 + 16;  /* a logit row, not a multiple of 4 KiB */
     float *sum = logits + (int64_t)h_q * s_q * ld;
     for (int b = 0; b < batch; b++) {
         const int n = lm_count[b];

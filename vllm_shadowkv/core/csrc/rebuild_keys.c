@@ -250,6 +250,27 @@ static void amx_keys(const struct rebuild *p, const struct token *tokens, int n,
 }
 #endif
 
+#if defined(__AVX512BF16__) || defined(__AMX_BF16__)
+/* bf16 A and B: B[b, h] (bmat) as [d / 16][kb] tiles, then the keys by AMX or AVX512-BF16. */
+static void tiled_keys(const struct rebuild *p, int amx, const uint16_t *bmat,
+                       const struct token *tokens, int n, uint16_t *tiles, uint16_t *rows,
+                       float *keys) {
+    const int kb = (p->rank + 31) / 32;
+    for (int nb = 0; nb < p->d / 16; nb++)  /* B's 16 columns nb as [kb] tiles */
+        vnni_tiles(bmat + nb * 16, p->d, p->rank, 16, tiles + (int64_t)nb * kb * 512);
+#if defined(__AMX_BF16__)
+    if (amx) {
+        amx_keys(p, tokens, n, tiles, rows, keys);
+        return;
+    }
+#endif
+#if defined(__AVX512BF16__)
+    bf16_keys(p, tokens, n, tiles, rows, keys);
+#endif
+    (void)amx;
+}
+#endif
+
 /* slot_chunks, miss_slots: [B, h_kv, k] int32; miss_count [B, h_kv] int32; b: [B, h_kv, rank,
  * d] contiguous; cos_sin: [positions, rotary_dim] contiguous. */
 void rebuild_keys(const void *a, int a_dtype, int64_t a_row_stride, const int64_t *a_rows,
@@ -265,20 +286,22 @@ void rebuild_keys(const void *a, int a_dtype, int64_t a_row_stride, const int64_
                               out_row_stride * (int64_t)element_size(out_dtype), slot_index,
                               h_kv, k, c};
     const int kb = (rank + 31) / 32;
-    const int tiled = a_dtype == BF16 && b_dtype == BF16 && d % 16 == 0;
-    int amx = 0, dots = 0;
+    /* bf16 A and B go through B's tiles: by AMX where the process may use it, else AVX512-BF16 */
+    int tiled = 0, amx = 0;
+#if defined(__AVX512BF16__) || defined(__AMX_BF16__)
+    tiled = a_dtype == BF16 && b_dtype == BF16 && d % 16 == 0;
+#endif
 #if defined(__AMX_BF16__)
     amx = tiled && amx_usable();
     if (amx) amx_configure();
 #endif
-#if defined(__AVX512BF16__)
-    dots = tiled && !amx;
+#if !defined(__AVX512BF16__)
+    tiled = amx;  /* no dot products: AMX or nothing */
 #endif
-    (void)tiled;
     struct token *tokens = malloc(sizeof(struct token) * k * c);
     float *keys = malloc(sizeof(float) * 16 * d);
     float *row = malloc(sizeof(float) * KEY_TOKENS * rank);
-    void *bbuf = malloc(amx || dots ? (size_t)d / 16 * kb * 1024 : sizeof(float) * rank * d);
+    void *bbuf = malloc(tiled ? (size_t)d / 16 * kb * 1024 : sizeof(float) * rank * d);
     uint16_t *rows = malloc((size_t)16 * kb * 64);
     for (int bi = 0; bi < batch; bi++)
         for (int h = 0; h < h_kv; h++) {
@@ -288,20 +311,9 @@ void rebuild_keys(const void *a, int a_dtype, int64_t a_row_stride, const int64_
                                     miss_count[bh], bi, h, tokens);
             const char *bmat = (const char *)b + bh * rank * d * element_size(b_dtype);
 #if defined(__AVX512BF16__) || defined(__AMX_BF16__)
-            if (amx || dots) {
-                for (int nb = 0; nb < d / 16; nb++)  /* B's 16 columns nb as [kb] tiles */
-                    vnni_tiles((const uint16_t *)bmat + nb * 16, d, rank, 16,
-                               (uint16_t *)bbuf + (int64_t)nb * kb * 512);
-#if defined(__AMX_BF16__)
-                if (amx) {
-                    amx_keys(&p, tokens, n, bbuf, rows, keys);
-                    continue;
-                }
-#endif
-#if defined(__AVX512BF16__)
-                bf16_keys(&p, tokens, n, bbuf, rows, keys);
+            if (tiled) {
+                tiled_keys(&p, amx, (const uint16_t *)bmat, tokens, n, bbuf, rows, keys);
                 continue;
-#endif
             }
 #endif
             for (int j = 0; j < rank; j++)
