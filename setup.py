@@ -29,12 +29,13 @@ setup(
     package_dir=PACKAGES,
     package_data={"vllm_shadowkv.eval": ["fixtures/**/*"],
                   "vllm_shadowkv.core": ["csrc/*.c", "csrc/*.h"]},  # built on first use
-    install_requires=["torch", "tqdm"],
+    install_requires=["torch", "tqdm", "filelock"],
     extras_require={
         # gguf and accelerate: transformers' GGUF loader, to convert the smollm2 model; ray: the
-        # Ray executor tests (tests/integration/test_ray.py).
-        "test": ["pytest", "pytest-timeout", "requests", "openai", "gguf", "accelerate",
-                 "ray==2.60.*"],
+        # Ray executor tests (tests/integration/test_ray.py); pytest-xdist: the suite runs on the
+        # machine's cores (pytest.ini).
+        "test": ["pytest", "pytest-timeout", "pytest-xdist", "requests", "openai", "gguf",
+                 "accelerate", "ray==2.60.*"],
         "bench": ["matplotlib", "gguf", "accelerate"],
     },
     entry_points={

@@ -24,6 +24,8 @@ import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from filelock import FileLock
+
 BOS, EOS, PAD = "<|begin_of_text|>", "<|end_of_text|>", "<|pad|>"
 # Enough for the OpenAI chat endpoint: role headers, then the assistant turn is opened.
 CHAT_TEMPLATE = (
@@ -196,9 +198,15 @@ def build_model(name: str, root: Path | None = None, force: bool = False) -> Pat
     out = (root or models_dir()) / f"{recipe.name}-{recipe.fingerprint()}"
     if (out / "config.json").exists() and not force:
         return out
-    if isinstance(recipe, GgufRecipe):
-        return _convert_gguf(recipe, out)
-    return _write_model(recipe, out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # One builder at a time (parallel test workers, two jobs on one machine); the others find
+    # the finished build when the lock is theirs.
+    with FileLock(str(out) + ".lock"):
+        if (out / "config.json").exists() and not force:
+            return out
+        if isinstance(recipe, GgufRecipe):
+            return _convert_gguf(recipe, out)
+        return _write_model(recipe, out)
 
 
 def model_names() -> list[str]:

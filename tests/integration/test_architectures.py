@@ -13,7 +13,8 @@ from test_engine_sparse import long_prompt
 from vllm_shadowkv.methods import METHODS
 from vllm_shadowkv.models import RECIPES, build_model
 
-pytestmark = pytest.mark.slow
+# xdist_group: the module-scoped engines stay on one worker (pytest.ini)
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("architectures")]
 
 COMMON = {
     "batches": [[long_prompt(500, 3)]],  # ~3.1K tokens: past Phi-3's original 2,048

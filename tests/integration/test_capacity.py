@@ -19,7 +19,8 @@ from engine_utils import engine_env
 from vllm_shadowkv.methods import METHODS
 from vllm_shadowkv.models import build_model
 
-pytestmark = pytest.mark.slow
+# xdist_group: the module-scoped engines stay on one worker (pytest.ini)
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("capacity")]
 
 MAX_LEN = 131072
 KV_GIB = 4  # 4 default requests of 128K; a method also needs one 128K prompt's exact staging

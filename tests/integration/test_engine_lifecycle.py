@@ -15,7 +15,8 @@ from engine_utils import assert_greedy_close, engine_env, uses_host_store
 
 from vllm_shadowkv.methods import METHODS
 
-pytestmark = pytest.mark.slow
+# xdist_group: the module-scoped engines stay on one worker (pytest.ini)
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("engine_lifecycle")]
 SCRIPT = Path(__file__).parent / "lifecycle.py"
 
 

@@ -29,7 +29,8 @@ from vllm_shadowkv.methods import METHODS
 RAY_METHODS = ["shadowkv"]
 from vllm_shadowkv.server import free_port, post_json, serve
 
-pytestmark = pytest.mark.slow
+# xdist_group: the module-scoped engines stay on one worker (pytest.ini)
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray")]
 
 TP = 2
 MAX_MODEL_LEN = 4096
@@ -54,10 +55,15 @@ def ray_env(tmp_path_factory):
              f"--object-store-memory={100 << 20}", f"--temp-dir={tmp_path_factory.mktemp('ray')}"]
     # Ray's switch for a local-only cluster: without it Ray replaces 127.0.0.1 by the machine's
     # routable address and listens on every interface. Set for the cluster and its clients.
-    ray_vars = {"RAY_ADDRESS": f"127.0.0.1:{port}", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+    ray_vars = {"RAY_ADDRESS": f"127.0.0.1:{port}", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+                # vLLM's own binding for the two ranks, not the one core of a test worker
+                # (tests/conftest.py): a single core list for two ranks fails the engine's start
+                "VLLM_CPU_OMP_THREADS_BIND": "auto"}
     # Ray's workers inherit the environment of `ray start` (vLLM's Ray executor only adds the
     # variables missing there): the engines' environment, and no stats directory of this process.
-    env = {k: v for k, v in engine_env().items() if k != STATS_DIR_ENV} | ray_vars
+    # Nor a test worker's one-thread default (tests/conftest.py).
+    env = {k: v for k, v in engine_env().items()
+           if k not in (STATS_DIR_ENV, "OMP_NUM_THREADS")} | ray_vars
     try:
         began = time.monotonic()
         proc = subprocess.run(start, env=env, capture_output=True, text=True, timeout=180)

@@ -9,7 +9,8 @@ from vllm_shadowkv.introspect import EXTENSION_CLASS
 from vllm_shadowkv.methods import METHODS
 from vllm_shadowkv.server import post_json, serve
 
-pytestmark = pytest.mark.slow
+# xdist_group: the module-scoped engines stay on one worker (pytest.ini)
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("server")]
 
 
 @pytest.fixture(scope="module", params=list(METHODS))
