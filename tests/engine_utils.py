@@ -51,6 +51,16 @@ def engine_env() -> dict[str, str]:
     return env
 
 
+def failure_excerpt(log: str, first: int = 5000, last: int = 3000) -> str:
+    """A failed engine's log cut to what tells why: from its first error or traceback (the
+    root cause; later ones are its consequences, such as EngineDeadError) and its end."""
+    starts = [i for i in (log.find("ERROR"), log.find("Traceback")) if i >= 0]
+    start = min(starts, default=max(0, len(log) - last))
+    if start + first >= len(log) - last:
+        return log[start:]
+    return f"{log[start:start + first]}\n[...]\n{log[-last:]}"
+
+
 def generate_in_fresh_process(request: dict, tmp_path: Path, timeout: float = 600,
                               env: dict[str, str] | None = None) -> dict:
     """Run tests/integration/generate.py in a new interpreter (``env`` on top of
@@ -62,7 +72,9 @@ def generate_in_fresh_process(request: dict, tmp_path: Path, timeout: float = 60
         env={**engine_env(), **(env or {})}, cwd=tmp_path, capture_output=True, text=True, timeout=timeout,
     )
     if proc.returncode != 0:
-        raise AssertionError(f"generate.py failed ({proc.returncode}):\n{proc.stderr[-6000:]}")
+        (tmp_path / "generate.log").write_text(proc.stdout + proc.stderr)
+        raise AssertionError(f"generate.py failed ({proc.returncode}), whole log in "
+                             f"{tmp_path / 'generate.log'}:\n{failure_excerpt(proc.stderr)}")
     return json.loads(out.read_text()) | {"log": proc.stdout + proc.stderr}
 
 

@@ -62,7 +62,8 @@ def wait_until_healthy(base: str, proc: subprocess.Popen, log_path: Path, timeou
                 time.sleep(1)
                 bar.update()
     proc.kill()
-    raise RuntimeError(f"server not healthy after {timeout:.0f} s (log {log_path})")
+    tail = Path(log_path).read_text()[-5000:]
+    raise RuntimeError(f"server not healthy after {timeout:.0f} s (log {log_path}):\n{tail}")
 
 
 def post_json(url: str, body: dict, timeout: float = 300) -> dict:

@@ -125,16 +125,20 @@ def test_native_library_is_optional(monkeypatch, caplog):
 
 _BUILD_SCRIPT = """
 import os, sys
+import torch
 from vllm_shadowkv.core import native
 lib = native.library()
 assert lib is not None
+# the process's floating-point mode is its own: subnormals survive the library's load
+assert (torch.tensor([1e-40]) * 1.0).item() > 0, "loading the library turned on flush-to-zero"
 print(sorted(os.listdir(native._cache_dir())))
 """
 
 
 @needs_native
 def test_native_library_is_built_once_per_cache(tmp_path):
-    """The first process builds the library into the cache; the next loads the same file."""
+    """The first process builds the library into the cache; the next loads the same file.
+    Neither changes its floating-point mode (no flush-to-zero from -ffast-math's start file)."""
     env = dict(os.environ, SHADOWKV_CACHE_DIR=str(tmp_path))
     runs = [subprocess.run([sys.executable, "-c", _BUILD_SCRIPT], env=env, check=True,
                            capture_output=True, text=True, timeout=300).stdout for _ in range(2)]

@@ -150,11 +150,11 @@ def _case_id(case):
     return f"{fmt.bits}b-G{fmt.group}-d{fmt.head_dim}-hkv{h_kv}-gqa{gqa}-sq{s_q}-k{k}"
 
 
-def _mixed(impl, r, tokens, slot_k, slot_v, logits_row=None):
-    """The quantized pass by ``impl`` (its logits row too, if asked), the slots swapped in."""
-    quant = IMPLS[impl](r.q, r.pool, r.table, r.count, r.fmt, r.scale, logits_row)
+def _mixed(impl, r, tokens, slot_k, slot_v):
+    """The quantized pass by ``impl`` with the slots swapped in, and the pass's LSE."""
+    quant = IMPLS[impl](r.q, r.pool, r.table, r.count, r.fmt, r.scale, None)
     return swap_in_exact(quant[:2], r.q, r.pool, r.table, r.count, r.fmt, r.scale, tokens,
-                         slot_k, slot_v), quant[2:]
+                         slot_k, slot_v), quant[1]
 
 
 @pytest.mark.parametrize("impl", IMPL_PARAMS)
@@ -168,13 +168,18 @@ def test_swapped_in_slots_equal_the_mixed_cache(impl, case, dtype, kernel_device
     slot_k, slot_v = r.slots(tokens)
     residual_k = torch.randn(len(counts), 9, h_kv, fmt.head_dim).to(dtype)
     residual_v = torch.randn(len(counts), 9, h_kv, fmt.head_dim).to(dtype)
-    part, _ = _mixed(impl, r, tokens, slot_k, slot_v)
+    part, pass_lse = _mixed(impl, r, tokens, slot_k, slot_v)
     assert part[0].dtype == dtype
     out, lse = _with_residual(r, part, residual_k, residual_v)
     want_out, want_lse = _mixed_cache_reference(r, tokens, residual_k, residual_v)
-    # bf16: the pass's P.V and its output are bf16 (16-bit dots on CUDA).
+    # bf16: the pass's P.V and its output are bf16 (16-bit dots on CUDA). The swap subtracts the
+    # slots' low-bit share from the pass, which scales the pass's rounding by its weight over
+    # what is left (1-20x on these inputs where 1-bit keys overrate the top-k): so does atol.
     tol = 1e-4 if dtype == torch.float32 and not r.q.is_cuda else 2e-2
-    torch.testing.assert_close(out.float(), want_out, atol=tol, rtol=tol)
+    gain = torch.exp(pass_lse.cpu() - part[1].cpu()).nan_to_num(1.0).clamp_min(1.0)
+    excess = (out.float() - want_out).abs() - tol * (gain.unsqueeze(-1) + want_out.abs())
+    assert excess.max() <= 0, (f"{int((excess > 0).sum())} of {excess.numel()} outputs off by up "
+                               f"to {excess.max().item():.3g} past atol {tol} x {gain.max().item():.3g}")
     torch.testing.assert_close(lse, want_lse, atol=tol, rtol=tol)
 
 

@@ -13,8 +13,7 @@ from test_engine_sparse import long_prompt
 from vllm_shadowkv.methods import METHODS
 from vllm_shadowkv.models import RECIPES, build_model
 
-# xdist_group: the module-scoped engines stay on one worker (pytest.ini)
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("architectures")]
+pytestmark = pytest.mark.slow
 
 COMMON = {
     "batches": [[long_prompt(500, 3)]],  # ~3.1K tokens: past Phi-3's original 2,048

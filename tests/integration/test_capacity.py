@@ -14,13 +14,12 @@ import subprocess
 import sys
 
 import pytest
-from engine_utils import engine_env
+from engine_utils import engine_env, failure_excerpt
 
 from vllm_shadowkv.methods import METHODS
 from vllm_shadowkv.models import build_model
 
-# xdist_group: the module-scoped engines stay on one worker (pytest.ini)
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("capacity")]
+pytestmark = pytest.mark.slow
 
 MAX_LEN = 131072
 KV_GIB = 4  # 4 default requests of 128K; a method also needs one 128K prompt's exact staging
@@ -62,7 +61,7 @@ def engine_capacity(backend: str, model: str, cwd, settings: dict | None = None,
     )  # cwd: not the repository root, whose triton_kernels/ folder `-c` would put on sys.path
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("CAPACITY ")]
     if proc.returncode != 0 or not lines:
-        raise AssertionError(f"{backend} engine failed ({proc.returncode}):\n{proc.stderr[-6000:]}")
+        raise AssertionError(f"{backend} engine failed ({proc.returncode}):\n{failure_excerpt(proc.stderr)}")
     return json.loads(lines[-1].removeprefix("CAPACITY "))
 
 

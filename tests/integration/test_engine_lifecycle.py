@@ -11,12 +11,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from engine_utils import assert_greedy_close, engine_env, uses_host_store
+from engine_utils import assert_greedy_close, engine_env, failure_excerpt, uses_host_store
 
 from vllm_shadowkv.methods import METHODS
 
-# xdist_group: the module-scoped engines stay on one worker (pytest.ini)
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("engine_lifecycle")]
+pytestmark = pytest.mark.slow
 SCRIPT = Path(__file__).parent / "lifecycle.py"
 
 
@@ -26,7 +25,7 @@ def run(scenario, model, tmp_path, method="none"):
     proc = subprocess.run([sys.executable, str(SCRIPT), scenario, method, model, str(out)],
                           env=env,
                           cwd=tmp_path, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-6000:]
+    assert proc.returncode == 0, failure_excerpt(proc.stderr)
     return json.loads(out.read_text())
 
 

@@ -10,8 +10,7 @@ from engine_utils import (PROMPTS, assert_greedy_close, assert_one_host_wait_per
 
 from vllm_shadowkv.methods import METHODS
 
-# xdist_group: the module-scoped engines stay on one worker (pytest.ini)
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("engine_sparse")]
+pytestmark = pytest.mark.slow
 
 WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho "
          "sigma tau upsilon phi chi psi omega").split()

@@ -29,8 +29,7 @@ from vllm_shadowkv.methods import METHODS
 RAY_METHODS = ["shadowkv"]
 from vllm_shadowkv.server import free_port, post_json, serve
 
-# xdist_group: the module-scoped engines stay on one worker (pytest.ini)
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray")]
+pytestmark = pytest.mark.slow
 
 TP = 2
 MAX_MODEL_LEN = 4096
@@ -46,13 +45,15 @@ def covering(method: str) -> dict:
 def ray_env(tmp_path_factory):
     """A one-node Ray cluster on loopback, no dashboard, with one RESOURCE per worker and no
     CPUs to schedule (vLLM's workers ask for none); yields the variables that point vLLM at it.
-    ``ray stop`` at the end, whatever happened."""
+    ``ray start --block`` stops its own cluster when terminated, whatever happened (``ray stop``
+    would stop every Ray cluster on the machine: another test worker's, the user's)."""
     ray = str(Path(sys.executable).with_name("ray"))
     port = free_port()
-    start = [ray, "start", "--head", "--node-ip-address=127.0.0.1", f"--port={port}",
+    root = tmp_path_factory.mktemp("ray")
+    start = [ray, "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={port}",
              "--num-cpus=0", f"--resources={json.dumps({RESOURCE: TP})}",
              "--include-dashboard=false", "--disable-usage-stats",
-             f"--object-store-memory={100 << 20}", f"--temp-dir={tmp_path_factory.mktemp('ray')}"]
+             f"--object-store-memory={100 << 20}", f"--temp-dir={root}"]
     # Ray's switch for a local-only cluster: without it Ray replaces 127.0.0.1 by the machine's
     # routable address and listens on every interface. Set for the cluster and its clients.
     ray_vars = {"RAY_ADDRESS": f"127.0.0.1:{port}", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
@@ -61,17 +62,28 @@ def ray_env(tmp_path_factory):
                 "VLLM_CPU_OMP_THREADS_BIND": "auto"}
     # Ray's workers inherit the environment of `ray start` (vLLM's Ray executor only adds the
     # variables missing there): the engines' environment, and no stats directory of this process.
-    # Nor a test worker's one-thread default (tests/conftest.py).
+    # Nor a test worker's one-thread default (tests/conftest.py). No drain wait at the end.
     env = {k: v for k, v in engine_env().items()
            if k not in (STATS_DIR_ENV, "OMP_NUM_THREADS")} | ray_vars
+    env["RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S"] = "0"
+    log = root / "ray_start.log"
+    began = time.monotonic()
+    with open(log, "w") as out:
+        proc = subprocess.Popen(start, env=env, stdout=out, stderr=subprocess.STDOUT)
     try:
-        began = time.monotonic()
-        proc = subprocess.run(start, env=env, capture_output=True, text=True, timeout=180)
-        assert proc.returncode == 0, f"ray start failed:\n{proc.stdout}\n{proc.stderr}"
+        while "Ray runtime started" not in log.read_text():
+            assert proc.poll() is None, f"ray start failed:\n{log.read_text()}"
+            assert time.monotonic() - began < 180, f"no Ray cluster after 180 s:\n{log.read_text()}"
+            time.sleep(0.5)
         print(f"\nray start: {time.monotonic() - began:.1f} s")
         yield ray_vars
     finally:
-        subprocess.run([ray, "stop"], env=env, capture_output=True, timeout=180)
+        proc.terminate()
+        try:
+            proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def ray_request(model: str, backend: str | None, **engine_kwargs) -> dict:

@@ -9,8 +9,7 @@ from vllm_shadowkv.introspect import EXTENSION_CLASS
 from vllm_shadowkv.methods import METHODS
 from vllm_shadowkv.server import post_json, serve
 
-# xdist_group: the module-scoped engines stay on one worker (pytest.ini)
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("server")]
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module", params=list(METHODS))

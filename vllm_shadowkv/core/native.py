@@ -34,8 +34,10 @@ logger = logging.getLogger(__name__)
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = sorted(CSRC.glob("*.c"))
 # -ffast-math: the dot products' and sums' loops vectorise (fp32 sums in any order); 512-bit
-# vectors: gcc prefers 256-bit ones on this CPU, and the softmax's exp then ran at half the rate
-FLAGS = ["-O3", "-ffast-math", "-march=native", "-mprefer-vector-width=512", "-fPIC", "-shared",
+# vectors: gcc prefers 256-bit ones on this CPU, and the softmax's exp then ran at half the rate.
+# Compile flags only: linked with -ffast-math, gcc adds crtfastmath.o, whose constructor turns on
+# flush-to-zero for the whole process (the model's own arithmetic) when the library loads.
+FLAGS = ["-O3", "-ffast-math", "-march=native", "-mprefer-vector-width=512", "-fPIC",
          "-std=gnu11"]
 DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 MAX_HEAD_DIM = 512  # cpu.h's MAX_HEAD_DIM, and the rotary dim's bound
@@ -69,7 +71,10 @@ def _build(compiler: str) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         built = Path(tmp) / target.name
-        subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", str(built), "-lm", "-lmvec"],
+        subprocess.run([compiler, *FLAGS, "-c", *map(str, SOURCES)], cwd=tmp,
+                       check=True, capture_output=True, text=True)
+        objects = [str(Path(tmp) / f"{source.stem}.o") for source in SOURCES]
+        subprocess.run([compiler, "-shared", *objects, "-o", str(built), "-lm", "-lmvec"],
                        check=True, capture_output=True, text=True)
         os.replace(built, target)  # atomic: a concurrent build writes the same bytes
     return target
