@@ -1,4 +1,5 @@
 import os
+from collections import Counter
 
 import pytest
 
@@ -25,6 +26,14 @@ os.environ.setdefault("SHADOWKV_WARM_UP", "0")  # backend/warm_up.py: WARM_UP_EN
 def tiny_model() -> str:
     """The tiny local Llama (built once, cached on disk)."""
     return str(build_model("tiny"))
+
+
+def pytest_collection_modifyitems(items) -> None:
+    """Files with more engine tests (slow) first, each file's own order kept: under
+    ``--dist loadfile`` a file is one worker's unit of work (pytest.ini), and a long file handed
+    out last would run alone at the end while the other workers sit idle."""
+    engine_tests = Counter(item.path for item in items if item.get_closest_marker("slow"))
+    items.sort(key=lambda item: -engine_tests[item.path])  # stable
 
 
 def pytest_xdist_auto_num_workers(config) -> int:

@@ -45,9 +45,15 @@ def default_settings(method: str, **changes) -> dict:
 
 
 def engine_env() -> dict[str, str]:
+    from vllm_shadowkv.backend.worker_state import STATS_DIR_ENV
+
     env = dict(os.environ)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     env.pop("TRITON_INTERPRET", None)  # the engine's CPU path must not see the interpreter
+    # Each engine its own stats directory: a test that built an engine config in this process
+    # (test_startup_errors) set one here, and a server's /metrics would add up every engine that
+    # inherited it.
+    env.pop(STATS_DIR_ENV, None)
     return env
 
 

@@ -61,10 +61,9 @@ def ray_env(tmp_path_factory):
                 # (tests/conftest.py): a single core list for two ranks fails the engine's start
                 "VLLM_CPU_OMP_THREADS_BIND": "auto"}
     # Ray's workers inherit the environment of `ray start` (vLLM's Ray executor only adds the
-    # variables missing there): the engines' environment, and no stats directory of this process.
-    # Nor a test worker's one-thread default (tests/conftest.py). No drain wait at the end.
-    env = {k: v for k, v in engine_env().items()
-           if k not in (STATS_DIR_ENV, "OMP_NUM_THREADS")} | ray_vars
+    # variables missing there): the engines' environment, without a test worker's one-thread
+    # default (tests/conftest.py). No drain wait at the end.
+    env = {k: v for k, v in engine_env().items() if k != "OMP_NUM_THREADS"} | ray_vars
     env["RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S"] = "0"
     log = root / "ray_start.log"
     began = time.monotonic()
