@@ -53,8 +53,8 @@ def wait_until_healthy(base: str, proc: subprocess.Popen, log_path: Path, timeou
     with tqdm(desc="starting vLLM server", bar_format="{desc}: {elapsed}") as bar:
         while time.time() < deadline:
             if proc.poll() is not None:
-                tail = Path(log_path).read_text()[-5000:]
-                raise RuntimeError(f"server exited with {proc.returncode} (log {log_path}):\n{tail}")
+                raise RuntimeError(f"server exited with {proc.returncode} (log {log_path}):\n"
+                                   f"{_log_tail(log_path)}")
             try:
                 urllib.request.urlopen(base + "/health", timeout=2)
                 return
@@ -62,8 +62,12 @@ def wait_until_healthy(base: str, proc: subprocess.Popen, log_path: Path, timeou
                 time.sleep(1)
                 bar.update()
     proc.kill()
-    tail = Path(log_path).read_text()[-5000:]
-    raise RuntimeError(f"server not healthy after {timeout:.0f} s (log {log_path}):\n{tail}")
+    raise RuntimeError(f"server not healthy after {timeout:.0f} s (log {log_path}):\n"
+                       f"{_log_tail(log_path)}")
+
+
+def _log_tail(log_path: Path) -> str:
+    return Path(log_path).read_text()[-5000:]
 
 
 def post_json(url: str, body: dict, timeout: float = 300) -> dict:

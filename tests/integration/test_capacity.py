@@ -61,7 +61,8 @@ def engine_capacity(backend: str, model: str, cwd, settings: dict | None = None,
     )  # cwd: not the repository root, whose triton_kernels/ folder `-c` would put on sys.path
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("CAPACITY ")]
     if proc.returncode != 0 or not lines:
-        raise AssertionError(f"{backend} engine failed ({proc.returncode}):\n{failure_excerpt(proc.stderr)}")
+        raise AssertionError(f"{backend} engine failed ({proc.returncode}):\n"
+                             f"{failure_excerpt(proc.stderr)}")
     return json.loads(lines[-1].removeprefix("CAPACITY "))
 
 

@@ -4,7 +4,7 @@ import subprocess
 import sys
 
 import pytest
-from engine_utils import engine_env
+from engine_utils import engine_env, failure_excerpt
 
 pytestmark = pytest.mark.slow
 
@@ -12,7 +12,7 @@ pytestmark = pytest.mark.slow
 def test_demo_answers_the_needle_question_sparsely(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "vllm_shadowkv.demo"], env=engine_env(),
                           cwd=tmp_path, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.returncode == 0, failure_excerpt(proc.stderr)
     out = proc.stdout
     assert "-> score 1.00" in out, out
     assert "SHADOWKV in all 3 attention layers" in out, out
