@@ -25,6 +25,8 @@ import random
 import time
 from pathlib import Path
 
+from engine_cores import engine_cores_env  # benchmarks/engine_cores.py
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -38,9 +40,12 @@ def main() -> None:
                         help="profile the prefill steps, not decode steps")
     parser.add_argument("--wall", action="store_true",
                         help="no profiler: wall time per step and per attention layer")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="cores of the engine (0: all of this process's)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process
+    os.environ.update(engine_cores_env(args.threads))
 
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt

@@ -22,10 +22,11 @@ output), time per output token (TPOT, per request ``(last_token_ts - first_token
 from vLLM's request metrics, averaged; also the TPOT of the request whose prompt finished last,
 which decodes with no prompt being prefilled alongside), time to first token, preemptions, and
 for the method the per-request mode, slot hit rate and bytes fetched from the host store
-(``llm.collective_rpc("kv_compression_stats")``). Ratios are method / default. Every engine runs
-with OMP_NUM_THREADS=1 (``--threads``): on a 2-core machine shared with other jobs, vLLM's
-default of 2 OpenMP threads made single MKL calls (``torch.linalg.eigh`` in the compression)
-stall for seconds.
+(``llm.collective_rpc("kv_compression_stats")``). Ratios are method / default. Every engine's
+OpenMP threads are bound to all of the machine's cores (``--threads`` for fewer,
+benchmarks/engine_cores.py). Run it on an otherwise idle machine: beside other jobs, a second
+OpenMP thread made single MKL calls (``torch.linalg.eigh`` in the compression) stall for seconds
+(1 thread then avoids it).
 
 ShadowKV settings (``--method shadowkv``, the default; all flags): rank 40 (the paper's rank
 160 is 15.6 % of Llama-3.1-8B's key width 1024; 40 is 15.6 % of the tiny model's 256, so a
@@ -51,6 +52,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from engine_cores import engine_cores_env  # benchmarks/engine_cores.py
 
 OUT_DIR = Path(__file__).resolve().parent / "throughput"
 MiB = 1 << 20
@@ -204,7 +207,7 @@ def run_child(job: dict, out: Path, timeout: float, threads: int) -> dict:
     env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override kv_cache_memory_bytes
     env.pop("TRITON_INTERPRET", None)
-    env["OMP_NUM_THREADS"] = str(threads)
+    env.update(engine_cores_env(threads))
     cmd = [sys.executable, __file__, "--child-out", str(out), "--child-job", json.dumps(job)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0 or not out.exists():
@@ -307,9 +310,9 @@ def main() -> None:
     parser.add_argument("--outlier-chunks", type=int, default=48)
     parser.add_argument("--local-window", type=int, default=32)
     parser.add_argument("--min-sparse-len", type=int, default=1024)
-    parser.add_argument("--threads", type=int, default=1,
-                        help="OMP_NUM_THREADS of every engine (1: on a shared 2-core machine a "
-                             "second OpenMP thread makes MKL calls stall behind other jobs)")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="cores of every engine (0: all of this process's; 1 on a machine "
+                             "shared with other jobs, where a second OpenMP thread stalls)")
     parser.add_argument("--timeout", type=float, default=1500, help="per engine (s)")
     parser.add_argument("--out", type=Path, default=OUT_DIR)
     parser.add_argument("--child-out", help=argparse.SUPPRESS)
@@ -370,7 +373,8 @@ def main() -> None:
         "machine": f"{os.cpu_count()}-core {cpu}",
         "date": datetime.date.today().isoformat(),
         "contexts": contexts, "gen": args.gen, "kv_mib": args.kv_mib,
-        "omp_num_threads": args.threads, "method": args.method,
+        "omp_num_threads": int(engine_cores_env(args.threads)["OMP_NUM_THREADS"]),
+        "method": args.method,
         "wall_s": round(time.perf_counter() - wall, 1),
         "note": "CPU timings do not predict GPU speed",
     }

@@ -18,6 +18,7 @@ from vllm_shadowkv.triton_kernels import (heavy_hitter_kernels, prefill_kernels,
                                           select_kernels)
 
 from core_rope_util import default_rope
+from torch_threads import torch_threads
 
 GRID = [(g, d, dt) for g in (1, 4, 8) for d in (64, 128) for dt in (torch.float32, torch.bfloat16)]
 COUNTS = [37, 300, 0, 129]  # irregular, one request without landmarks
@@ -406,6 +407,48 @@ def test_decode_attention_of_a_query_without_keys():
     for impl in (native, attention):
         out, lse = impl.decode_attention(*args)
         assert torch.equal(out, torch.zeros_like(out)) and bool(torch.isneginf(lse).all())
+
+
+@needs_native
+def test_c_kernels_on_two_threads_give_the_one_thread_bits():
+    """The C kernels run on torch's OpenMP threads (native.OPENMP), each (request, KV head)
+    on one of them: on 2 threads every output is bit for bit the 1-thread output."""
+    with torch_threads(2):
+        assert native.library().kernel_threads() == 2  # torch's thread pool, not one of its own
+    h_kv, head_dim, dt = 2, 128, torch.bfloat16
+    landmarks, starts, counts = _ragged_pool(COUNTS, h_kv, head_dim, dt, torch.device("cpu"))
+    lm_rows = torch.randperm(landmarks.shape[0])
+    q = torch.randn(len(COUNTS), 2, h_kv * 4, head_dim).to(dt)
+    scores = native.landmark_scores(q, landmarks, lm_rows, starts, counts, max(COUNTS), 0.1)
+    chunks = torch.cat([torch.randperm(n + 3) for n in COUNTS])  # each request's own (+ gap)
+    chunks = chunks.view(-1, 1).expand(-1, h_kv).to(torch.int32)
+    empty = torch.full((len(COUNTS), h_kv, 16), -1, dtype=torch.int32)
+    slot_chunks, miss_slots, miss_count = native.select_slots(scores, chunks, starts, counts, 16,
+                                                              empty)
+    rank, c, rope = 40, 8, default_rope(head_dim, 4096, head_dim)
+    a = torch.randn(landmarks.shape[0] * c, rank).to(dt)
+    a_positions = torch.randint(0, 4096, (len(a),), dtype=torch.int32)
+    b = torch.randn(len(COUNTS), h_kv, rank, head_dim).to(dt)
+    rebuild_args = (a, torch.arange(len(a)), a_positions, starts * c, b, slot_chunks, miss_slots,
+                    miss_count, rope)
+    k_rows, exact_len, decode_slots, gen_before = _decode_rows(4, h_kv, 1, 11, 5, c, 6, 4000)
+    pages = torch.randn(4001, head_dim).to(dt)
+    decode_args = (q[:, :1], pages, k_rows, k_rows.clamp(max=3999), 11, exact_len, decode_slots,
+                   c, gen_before, 0.17)
+
+    def run():
+        keys = torch.zeros(len(COUNTS), h_kv, 16 * c, head_dim, dtype=dt)
+        native.rebuild_keys(*rebuild_args, keys)
+        return [native.landmark_scores(q, landmarks, lm_rows, starts, counts, max(COUNTS), 0.1),
+                *native.select_slots(scores, chunks, starts, counts, 16, empty), keys,
+                *native.decode_attention(*decode_args)]
+
+    with torch_threads(1):
+        one = run()
+    with torch_threads(2):
+        two = run()
+    for x, y in zip(one, two, strict=True):
+        assert torch.equal(x, y)
 
 
 def test_copy_rows_of_other_layouts_take_the_reference():

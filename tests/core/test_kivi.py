@@ -8,6 +8,7 @@ import sys
 
 import pytest
 import torch
+from torch_threads import torch_threads
 
 from vllm_shadowkv.core import native
 from vllm_shadowkv.core import quant_attention as torch_path
@@ -261,6 +262,19 @@ def test_c_kernel(case, dtype):
 
 
 @_needs_native
+@_needs_native
+def test_c_kernel_on_two_threads_gives_the_one_thread_bits():
+    """Each (request, KV head) on one of torch's threads: 2 threads give the 1-thread bits."""
+    fmt, h_kv, gqa, s_q, counts = ATTENTION_CASES[4]
+    q, pool, table, count = _batch(fmt, h_kv, gqa, s_q, counts, torch.bfloat16)
+    runs = []
+    for threads in (1, 2):
+        with torch_threads(threads):
+            runs.append(native.quant_attention(q, pool, table, count, fmt, 0.1, 0))
+    for x, y in zip(*runs, strict=True):
+        assert torch.equal(x, y)
+
+
 def test_c_kernel_refuses_a_table_entry_outside_the_pool():
     fmt, h_kv, gqa, s_q, counts = ATTENTION_CASES[0]
     q, pool, table, count = _batch(fmt, h_kv, gqa, s_q, counts, torch.bfloat16)

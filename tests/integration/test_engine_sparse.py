@@ -131,26 +131,35 @@ def test_paper_ratio_answers_needles_with_fidelity_inside_the_engine(tmp_path):
     assert max(f["relative_error"] for f in fidelity) < 0.15
 
 
+TP_JOB = {"batches": [[PROMPTS[0], long_prompt(450, 2)]],  # ~2.8K tokens
+          "max_tokens": 8, "engine_kwargs": {"max_model_len": 4096, "enable_prefix_caching": False}}
+
+
+@pytest.fixture(scope="module")
+def tp_reference(tiny_model, tmp_path_factory):
+    """The default backend on one rank: the tensor-parallel tests' common reference."""
+    return generate_in_fresh_process({**TP_JOB, "model": tiny_model, "attention_backend": None},
+                                     tmp_path_factory.mktemp("tp_ref"))
+
+
 @pytest.mark.parametrize("method", list(METHODS))
-def test_tensor_parallel_ranks_each_compress_their_own_kv_heads(method, tiny_model, tmp_path):
+def test_tensor_parallel_ranks_each_compress_their_own_kv_heads(method, tiny_model, tp_reference,
+                                                                 tmp_path):
     """Tensor parallelism (2 ranks, multiprocessing executor: the CPU platform has no Ray): each
     rank holds 2 of the 4 KV heads, compresses them with its own covering settings (ShadowKV: its
     full rank, 2 x 64) into its own host store, and the output equals the default backend's."""
-    batch = [PROMPTS[0], long_prompt(450, 2)]  # ~2.8K tokens
-    common = {"model": tiny_model, "batches": [batch], "max_tokens": 8,
-              "engine_kwargs": {"max_model_len": 4096, "enable_prefix_caching": False}}
-    ref = generate_in_fresh_process({**common, "attention_backend": None}, _dir(tmp_path, "ref"))
     settings = METHODS[method].covering_settings(128, 4096) | {"min_sparse_len": 2048}
     cpus = sorted(os.sched_getaffinity(0))
     # vLLM's automatic thread binding wants a NUMA node per rank; give each rank its own core.
     bind = "|".join(map(str, cpus[:2])) if len(cpus) >= 2 else "nobind"
     test = generate_in_fresh_process(
-        {**common, "attention_backend": method,
-         "engine_kwargs": {**common["engine_kwargs"], "tensor_parallel_size": 2,
+        {**TP_JOB, "model": tiny_model, "attention_backend": method,
+         "engine_kwargs": {**TP_JOB["engine_kwargs"], "tensor_parallel_size": 2,
                            "distributed_executor_backend": "mp",
                            "additional_config": {method: settings}}},
         _dir(tmp_path, "tp2"), timeout=900, env={"VLLM_CPU_OMP_THREADS_BIND": bind})
-    assert_greedy_close(ref["batches"][0], test["batches"][0], names=("default", f"{method} tp2"))
+    assert_greedy_close(tp_reference["batches"][0], test["batches"][0],
+                        names=("default", f"{method} tp2"))
     ranks = test["rank_stats"][0]
     assert len(ranks) == 2
     for rank in ranks:

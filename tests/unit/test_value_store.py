@@ -5,6 +5,7 @@ import random
 
 import pytest
 import torch
+from torch_threads import torch_threads
 
 from vllm_shadowkv.core import native, ops
 from vllm_shadowkv.core.compress import compress_prompt
@@ -105,6 +106,18 @@ def test_one_gather_for_many_keys_equals_a_gather_per_key():
     with pytest.raises(IndexError, match=r"\('req', 1\) holds 1 heads x 1 rows"):
         store.gather_many(keys[:3], torch.tensor([0, 0]), torch.tensor([8, 1]), [1, 0, 1],
                           torch.empty(2, C, D))
+
+
+def test_gather_on_two_threads_equals_one():
+    """The C gather splits its rows over torch's threads (from 64 rows on)."""
+    store, src = make_store(dtype=torch.bfloat16, page_rows=4), values(3, 50, torch.bfloat16)
+    store.put("k", src)
+    heads, chunks = torch.randint(3, (301,)), torch.randint(50, (301,))
+    for threads in (1, 2):
+        with torch_threads(threads):
+            out = store.gather_many(["k"], heads, chunks, [301],
+                                    torch.empty(301, C, D, dtype=torch.bfloat16))
+        assert torch.equal(out, src[heads, chunks])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -39,6 +39,11 @@ SOURCES = sorted(CSRC.glob("*.c"))
 # flush-to-zero for the whole process (the model's own arithmetic) when the library loads.
 FLAGS = ["-O3", "-ffast-math", "-march=native", "-mprefer-vector-width=512", "-fPIC",
          "-std=gnu11"]
+# The kernels split their requests and KV heads over OpenMP threads. Linked with -fopenmp the
+# library needs libgomp.so.1, which resolves to the one torch has loaded: one thread pool, as
+# many threads as torch.set_num_threads (vLLM's CPU worker binds them to its cores). Without
+# OpenMP (a compiler that lacks it) the same sources build serial.
+OPENMP = ["-fopenmp"]
 DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 MAX_HEAD_DIM = 512  # cpu.h's MAX_HEAD_DIM, and the rotary dim's bound
 MAX_QUERY_ROWS = 1024  # cpu.h's MAX_QUERY_ROWS (h_q x s_q)
@@ -59,11 +64,12 @@ def _cpu_identity() -> str:
     return "\n".join(sorted({ln for ln in lines if ln.startswith(("model name", "flags"))}))
 
 
-def _build(compiler: str) -> Path:
+def _build(compiler: str, openmp: list[str]) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
     digest = hashlib.sha256()
     files = sorted(CSRC.glob("*.[ch]"))  # the headers too
-    for part in [version, _cpu_identity(), " ".join(FLAGS)] + [p.read_text() for p in files]:
+    for part in [version, _cpu_identity(), " ".join(FLAGS + openmp)] + [
+            p.read_text() for p in files]:
         digest.update(part.encode())
     target = _cache_dir() / f"shadowkv_{digest.hexdigest()[:16]}.so"
     if target.exists():
@@ -71,13 +77,22 @@ def _build(compiler: str) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         built = Path(tmp) / target.name
-        subprocess.run([compiler, *FLAGS, "-c", *map(str, SOURCES)], cwd=tmp,
+        subprocess.run([compiler, *FLAGS, *openmp, "-c", *map(str, SOURCES)], cwd=tmp,
                        check=True, capture_output=True, text=True)
         objects = [str(Path(tmp) / f"{source.stem}.o") for source in SOURCES]
-        subprocess.run([compiler, "-shared", *objects, "-o", str(built), "-lm", "-lmvec"],
-                       check=True, capture_output=True, text=True)
+        subprocess.run([compiler, "-shared", *openmp, *objects, "-o", str(built), "-lm",
+                        "-lmvec"], check=True, capture_output=True, text=True)
         os.replace(built, target)  # atomic: a concurrent build writes the same bytes
     return target
+
+
+def _build_any(compiler: str) -> Path:
+    try:
+        return _build(compiler, OPENMP)
+    except subprocess.CalledProcessError as err:
+        logger.warning("shadowkv: the C kernels do not build with OpenMP (%s); they run on one "
+                       "thread", err.stderr.strip()[-500:])
+        return _build(compiler, [])
 
 
 @functools.cache
@@ -90,7 +105,7 @@ def library() -> ctypes.CDLL | None:
         logger.warning("shadowkv: no C compiler on the path; the CPU decode step runs on torch")
         return None
     try:
-        lib = ctypes.CDLL(str(_build(compiler)))
+        lib = ctypes.CDLL(str(_build_any(compiler)))
     except (OSError, subprocess.CalledProcessError) as err:
         detail = getattr(err, "stderr", "") or err
         logger.warning("shadowkv: building the C kernels failed (%s); the CPU decode step runs "
@@ -98,8 +113,7 @@ def library() -> ctypes.CDLL | None:
         return None
     lib.landmark_scores.restype = ctypes.c_int
     lib.landmark_scores.argtypes = [_ptr, _i32, _ptr, _i32, _i64, _i64, _ptr, _ptr, _ptr, _i32,
-                                    _i32, _i32, _i32, _i32, _i32, ctypes.c_float, _ptr, _ptr,
-                                    _i64]
+                                    _i32, _i32, _i32, _i32, _i32, ctypes.c_float, _ptr, _i64]
     lib.rebuild_keys.restype = None
     lib.rebuild_keys.argtypes = [_ptr, _i32, _i64, _ptr, _ptr, _ptr, _ptr, _i32, _i32, _ptr, _ptr,
                                  _ptr, _i32, _i32, _i32, _i32, _ptr, _i32, _i32, _i32, _ptr, _i32,
@@ -129,6 +143,8 @@ def library() -> ctypes.CDLL | None:
                                   _i32, _i32, _i32, _i32, _i32, _i64, _i32, _ptr]
     lib.assign_slots.restype = ctypes.c_int
     lib.assign_slots.argtypes = [_ptr, _ptr, _i64, _i32, _ptr, _ptr]
+    lib.kernel_threads.restype = ctypes.c_int
+    lib.kernel_threads.argtypes = []
     lib.copy_rows.restype = None
     lib.copy_rows.argtypes = [_ptr, _i32, _i64, _ptr, _i64, _ptr, _i32, _i64, _ptr, _i64]
     return lib
@@ -157,12 +173,13 @@ def landmark_scores(q, landmarks, lm_rows, lm_start, lm_count, max_count, scale)
     # Logit rows of the scratch padded off a multiple of 4 KiB: each landmark's dots go to every
     # row, and rows that far apart share the same few L1 sets (2.5x slower at 4,096 landmarks).
     ld = -(-max_count // 16) * 16 + 16
-    logits = torch.empty((s_q * h_q + 1) * ld, dtype=torch.float32)
     row_stride, head_stride, _ = landmarks.stride()
     failed = library().landmark_scores(
         q.data_ptr(), DTYPES[q.dtype], landmarks.data_ptr(), DTYPES[landmarks.dtype],
         row_stride, head_stride, rows.data_ptr(), starts.data_ptr(), counts.data_ptr(), batch,
-        s_q, h_q, h_kv, head_dim, max_count, scale, out.data_ptr(), logits.data_ptr(), ld)
+        s_q, h_q, h_kv, head_dim, max_count, scale, out.data_ptr(), ld)
+    if failed == 2:
+        raise MemoryError("landmark_scores: scratch allocation failed")
     assert not failed, "outside supports_scores()"
     return out
 

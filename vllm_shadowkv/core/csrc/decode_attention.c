@@ -52,16 +52,21 @@ int decode_attention(const void *q, int q_dtype, const void *rows, int dtype, in
 #if defined(__AVX512BF16__)
     dots16 = dtype == BF16 && q_dtype == BF16;
 #endif
-    float *qf = malloc(sizeof(float) * nq * d), *acc = malloc(sizeof(float) * nq * d),
-          *kvf = malloc(sizeof(float) * BLOCK * d), *p = malloc(sizeof(float) * nq * BLOCK),
-          *m = malloc(sizeof(float) * nq), *l_sum = malloc(sizeof(float) * nq);
-    int status = !(qf && acc && kvf && p && m && l_sum);
-    for (int b = 0; b < batch && !status; b++)
-        for (int h = 0; h < h_kv; h++) {
+    int status = 0;
+#pragma omp parallel reduction(| : status) if (batch * h_kv > 1)
+    {
+        float *qf = malloc(sizeof(float) * nq * d), *acc = malloc(sizeof(float) * nq * d),
+              *kvf = malloc(sizeof(float) * BLOCK * d), *p = malloc(sizeof(float) * nq * BLOCK),
+              *m = malloc(sizeof(float) * nq), *l_sum = malloc(sizeof(float) * nq);
+        status = !(qf && acc && kvf && p && m && l_sum);
+        /* (request, KV head) pairs across the threads: each writes only its own rows */
+#pragma omp for schedule(dynamic)
+        for (int64_t bh = 0; bh < (int64_t)batch * h_kv; bh++) {
+            if (status) continue;
+            const int b = (int)(bh / h_kv), h = (int)(bh % h_kv);
             const struct layout l = {exact_width, k * chunk, chunk, exact_len[b], gen_before[b],
-                                     slot_chunks + ((int64_t)b * h_kv + h) * k};
-            const int64_t *kr = k_rows + ((int64_t)b * h_kv + h) * width,
-                          *vr = v_rows + ((int64_t)b * h_kv + h) * width;
+                                     slot_chunks + bh * k};
+            const int64_t *kr = k_rows + bh * width, *vr = v_rows + bh * width;
             /* query row t * g + j: token t, group member j (query head h * g + j) */
             const void *queries[MAX_QUERY_ROWS];
             for (int t = 0; t < s_q; t++)
@@ -128,6 +133,7 @@ int decode_attention(const void *q, int q_dtype, const void *rows, int dtype, in
                 lse[at] = l_sum[r] > 0.f ? m[r] + logf(l_sum[r]) : -INFINITY;
             }
         }
-    free(qf), free(acc), free(kvf), free(p), free(m), free(l_sum);
+        free(qf), free(acc), free(kvf), free(p), free(m), free(l_sum);
+    }
     return status;
 }

@@ -101,48 +101,64 @@ static void row_dots(const struct rows *r, int dtype, const void *const *queries
 
 /* q: [B, s_q, h_q, d] contiguous, of q_dtype. landmarks: row i of head h at i * row_stride +
  * h * head_stride (elements; unit stride over d). lm_rows int64 [NL]; lm_start, lm_count int32
- * [B]. out: fp32 [B, h_kv, max_count], already -1. logits: fp32 scratch of (h_q * s_q + 1)
- * rows of ld >= max_count (native.py pads ld off a multiple of 4 KiB: query rows that far
- * apart would share the same few L1 sets). Returns 0; 1 if d or h_q * s_q is over its maximum. */
+ * [B]. out: fp32 [B, h_kv, max_count], already -1. Each thread's logits: (h_q * s_q + 1) rows of
+ * ld >= max_count fp32 (native.py pads ld off a multiple of 4 KiB: query rows that far apart
+ * would share the same few L1 sets). Returns 0; 1 if d or h_q * s_q is over its maximum, 2 if a
+ * scratch allocation failed. */
 int landmark_scores(const void *q, int q_dtype, const void *landmarks, int dtype,
                     int64_t row_stride, int64_t head_stride, const int64_t *lm_rows,
                     const int32_t *lm_start, const int32_t *lm_count, int batch, int s_q,
                     int h_q, int h_kv, int d, int max_count, float scale, float *out,
-                    float *logits, int64_t ld) {
+                    int64_t ld) {
     const int g = h_q / h_kv, nq = s_q * g;
     if (d > MAX_HEAD_DIM || h_q * s_q > MAX_QUERY_ROWS) return 1;
-    float *sum = logits + (int64_t)h_q * s_q * ld;
-    for (int b = 0; b < batch; b++) {
-        const int n = lm_count[b];
-        if (n == 0) continue;
-        const void *queries[MAX_QUERY_ROWS];  /* h * nq + s * g + j: token s, member j */
-        for (int h = 0; h < h_kv; h++)
-            for (int s = 0; s < s_q; s++)
-                for (int j = 0; j < g; j++)
-                    queries[h * nq + s * g + j] = (const char *)q +
-                        (((int64_t)b * s_q + s) * h_q + h * g + j) * d * element_size(q_dtype);
-        const struct rows r = {landmarks, lm_rows + lm_start[b], row_stride * element_size(dtype),
-                               head_stride * element_size(dtype), n, h_kv, d, ld};
-        row_dots(&r, dtype, queries, q_dtype, nq, logits);
-        for (int h = 0; h < h_kv; h++) {
-            float *scores = out + ((int64_t)b * h_kv + h) * max_count;
-            for (int i = 0; i < n; i++) scores[i] = 0.f;
-            for (int j = 0; j < g; j++) {
-                /* the group member's probabilities summed over the query tokens, in sum */
-                for (int s = 0; s < s_q; s++) {
-                    float *x = logits + ((int64_t)h * nq + s * g + j) * ld, top = -INFINITY;
-                    float total = 0.f;
-                    for (int i = 0; i < n; i++) top = x[i] > top ? x[i] : top;
-                    for (int i = 0; i < n; i++) {
-                        x[i] = expf((x[i] - top) * scale);
-                        total += x[i];
+#if defined(__AMX_BF16__)
+    (void)amx_usable();  /* its one-time check, before the threads ask */
+#endif
+    int failed = 0;
+    /* requests across the threads, each with its own logits */
+#pragma omp parallel reduction(| : failed) if (batch > 1)
+    {
+        float *logits = malloc(sizeof(float) * ((int64_t)h_q * s_q + 1) * ld);
+        float *sum = logits + (int64_t)h_q * s_q * ld;
+        failed = !logits;
+#pragma omp for schedule(dynamic)
+        for (int b = 0; b < batch; b++) {
+            const int n = lm_count[b];
+            if (n == 0 || failed) continue;
+            const void *queries[MAX_QUERY_ROWS];  /* h * nq + s * g + j: token s, member j */
+            for (int h = 0; h < h_kv; h++)
+                for (int s = 0; s < s_q; s++)
+                    for (int j = 0; j < g; j++)
+                        queries[h * nq + s * g + j] = (const char *)q +
+                            (((int64_t)b * s_q + s) * h_q + h * g + j) * d *
+                                element_size(q_dtype);
+            const struct rows r = {landmarks, lm_rows + lm_start[b],
+                                   row_stride * element_size(dtype),
+                                   head_stride * element_size(dtype), n, h_kv, d, ld};
+            row_dots(&r, dtype, queries, q_dtype, nq, logits);
+            for (int h = 0; h < h_kv; h++) {
+                float *scores = out + ((int64_t)b * h_kv + h) * max_count;
+                for (int i = 0; i < n; i++) scores[i] = 0.f;
+                for (int j = 0; j < g; j++) {
+                    /* the group member's probabilities summed over the query tokens, in sum */
+                    for (int s = 0; s < s_q; s++) {
+                        float *x = logits + ((int64_t)h * nq + s * g + j) * ld, top = -INFINITY;
+                        float total = 0.f;
+                        for (int i = 0; i < n; i++) top = x[i] > top ? x[i] : top;
+                        for (int i = 0; i < n; i++) {
+                            x[i] = expf((x[i] - top) * scale);
+                            total += x[i];
+                        }
+                        const float inv = 1.f / total;
+                        for (int i = 0; i < n; i++) sum[i] = (s ? sum[i] : 0.f) + x[i] * inv;
                     }
-                    const float inv = 1.f / total;
-                    for (int i = 0; i < n; i++) sum[i] = (s ? sum[i] : 0.f) + x[i] * inv;
+                    for (int i = 0; i < n; i++)
+                        scores[i] = sum[i] > scores[i] ? sum[i] : scores[i];
                 }
-                for (int i = 0; i < n; i++) scores[i] = sum[i] > scores[i] ? sum[i] : scores[i];
             }
         }
+        free(logits);
     }
-    return 0;
+    return failed ? 2 : 0;
 }

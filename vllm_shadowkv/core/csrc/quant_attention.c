@@ -249,16 +249,23 @@ int quant_attention(const void *q, int q_dtype, int batch, int s_q, int h_q, int
 #endif
     /* rows padded to a multiple of 4 (zero queries and weights) for the vector paths */
     const int rows = (nq + 3) / 4 * 4, per_token = d / value_group;
-    float *qf = calloc((size_t)rows * d, sizeof(float)), *acc = malloc(sizeof(float) * rows * d),
-          *kv = malloc(sizeof(float) * group * d), *p = calloc((size_t)rows * group, sizeof(float)),
-          *params = malloc(sizeof(float) * 2 * (d + group * per_token)),
-          *m = malloc(sizeof(float) * nq), *l_sum = malloc(sizeof(float) * nq),
-          *qs = malloc(sizeof(float) * rows * (d + 1)), *qz = qs + (int64_t)rows * d;
-    int status = !(qf && acc && kv && p && params && m && l_sum && qs);
-    float *k_scale = params, *k_zero = k_scale + d, *v_scale = k_zero + d,
-          *v_zero = v_scale + group * per_token;
-    for (int b = 0; b < batch && !status; b++)
-        for (int h = 0; h < h_kv; h++) {
+    int status = 0;
+    /* (request, KV head) pairs across the threads, each with its own scratch */
+#pragma omp parallel reduction(| : status) if (batch * h_kv > 1)
+    {
+        float *qf = calloc((size_t)rows * d, sizeof(float)),
+              *acc = malloc(sizeof(float) * rows * d), *kv = malloc(sizeof(float) * group * d),
+              *p = calloc((size_t)rows * group, sizeof(float)),
+              *params = malloc(sizeof(float) * 2 * (d + group * per_token)),
+              *m = malloc(sizeof(float) * nq), *l_sum = malloc(sizeof(float) * nq),
+              *qs = malloc(sizeof(float) * rows * (d + 1)), *qz = qs + (int64_t)rows * d;
+        status = !(qf && acc && kv && p && params && m && l_sum && qs);
+        float *k_scale = params, *k_zero = k_scale + d, *v_scale = k_zero + d,
+              *v_zero = v_scale + group * per_token;
+#pragma omp for schedule(dynamic)
+        for (int64_t bh = 0; bh < (int64_t)batch * h_kv; bh++) {
+            if (status) continue;
+            const int b = (int)(bh / h_kv), h = (int)(bh % h_kv);
             /* query row t * g + j: token t, group member j (query head h * g + j) */
             for (int t = 0; t < s_q; t++)
                 for (int j = 0; j < g; j++) {
@@ -319,6 +326,7 @@ int quant_attention(const void *q, int q_dtype, int batch, int s_q, int h_q, int
                 lse[row] = l_sum[r] > 0.f ? m[r] + logf(l_sum[r]) : -INFINITY;
             }
         }
-    free(qf), free(acc), free(kv), free(p), free(params), free(m), free(l_sum), free(qs);
+        free(qf), free(acc), free(kv), free(p), free(params), free(m), free(l_sum), free(qs);
+    }
     return status;
 }

@@ -293,20 +293,26 @@ void rebuild_keys(const void *a, int a_dtype, int64_t a_row_stride, const int64_
 #endif
 #if defined(__AMX_BF16__)
     amx = tiled && amx_usable();
-    if (amx) amx_configure();
 #endif
 #if !defined(__AVX512BF16__)
     tiled = amx;  /* no dot products: AMX or nothing */
 #endif
-    struct token *tokens = malloc(sizeof(struct token) * k * c);
-    float *keys = malloc(sizeof(float) * 16 * d);
-    float *row = malloc(sizeof(float) * KEY_TOKENS * rank);
-    void *bbuf = malloc(tiled ? (size_t)d / 16 * kb * 1024 : sizeof(float) * rank * d);
-    uint16_t *rows = malloc((size_t)16 * kb * 64);
-    for (int bi = 0; bi < batch; bi++)
-        for (int h = 0; h < h_kv; h++) {
-            const int64_t bh = (int64_t)bi * h_kv + h;
+    /* (request, KV head) pairs across the threads, each with its own scratch (and tile
+     * configuration: per thread); each writes only its own slots */
+#pragma omp parallel if (batch * h_kv > 1)
+    {
+#if defined(__AMX_BF16__)
+        if (amx) amx_configure();
+#endif
+        struct token *tokens = malloc(sizeof(struct token) * k * c);
+        float *keys = malloc(sizeof(float) * 16 * d);
+        float *row = malloc(sizeof(float) * KEY_TOKENS * rank);
+        void *bbuf = malloc(tiled ? (size_t)d / 16 * kb * 1024 : sizeof(float) * rank * d);
+        uint16_t *rows = malloc((size_t)16 * kb * 64);
+#pragma omp for schedule(dynamic)
+        for (int64_t bh = 0; bh < (int64_t)batch * h_kv; bh++) {
             if (miss_count[bh] == 0) continue;
+            const int bi = (int)(bh / h_kv), h = (int)(bh % h_kv);
             const int n = tokens_of(&p, slot_chunks + bh * k, miss_slots + bh * k,
                                     miss_count[bh], bi, h, tokens);
             const char *bmat = (const char *)b + bh * rank * d * element_size(b_dtype);
@@ -322,7 +328,8 @@ void rebuild_keys(const void *a, int a_dtype, int64_t a_row_stride, const int64_
             f32_keys(&p, tokens, n, bbuf, row, keys);
         }
 #if defined(__AMX_BF16__)
-    if (amx) _tile_release();
+        if (amx) _tile_release();
 #endif
-    free(tokens), free(keys), free(row), free(bbuf), free(rows);
+        free(tokens), free(keys), free(row), free(bbuf), free(rows);
+    }
 }

@@ -72,13 +72,18 @@ static int assign_row(const int32_t *wanted, int n, int32_t *slots, int32_t *fil
 int select_slots(const float *scores, int max_count, const int32_t *landmark_chunks,
                  const int32_t *lm_start, const int32_t *lm_count, int batch, int h_kv, int k,
                  int32_t *slot_chunks, int32_t *miss_slots, int32_t *miss_count) {
-    struct scored *best = malloc(sizeof(struct scored) * (k ? k : 1));
-    int32_t *wanted = malloc(sizeof(int32_t) * (k ? k : 1));
-    struct assignment a;
-    const int status = alloc_assignment(&a, k) || !(best && wanted);
-    for (int b = 0; b < batch && !status; b++)
-        for (int h = 0; h < h_kv; h++) {
-            const int64_t row = (int64_t)b * h_kv + h;
+    int status = 0;
+    /* (request, KV head) rows across the threads, each with its own scratch */
+#pragma omp parallel reduction(| : status) if (batch * h_kv > 1)
+    {
+        struct scored *best = malloc(sizeof(struct scored) * (k ? k : 1));
+        int32_t *wanted = malloc(sizeof(int32_t) * (k ? k : 1));
+        struct assignment a;
+        status = alloc_assignment(&a, k) || !(best && wanted);
+#pragma omp for schedule(dynamic, 4)
+        for (int64_t row = 0; row < (int64_t)batch * h_kv; row++) {
+            if (status) continue;
+            const int b = (int)(row / h_kv), h = (int)(row % h_kv);
             const int take = lm_count[b] < k ? lm_count[b] : k;
             top(scores + row * max_count, lm_count[b], take, best);
             for (int i = 0; i < take; i++)
@@ -86,7 +91,8 @@ int select_slots(const float *scores, int max_count, const int32_t *landmark_chu
             miss_count[row] = assign_row(wanted, take, slot_chunks + row * k,
                                          miss_slots + row * k, k, &a);
         }
-    free(best), free(wanted), free_assignment(&a);
+        free(best), free(wanted), free_assignment(&a);
+    }
     return status;
 }
 

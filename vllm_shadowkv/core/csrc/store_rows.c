@@ -62,25 +62,29 @@ int64_t gather_store_rows(void *dst, int dst_dtype, int64_t dst_stride, int64_t 
     const size_t src_size = element_size(src_dtype);
     const int64_t width = row_numel / split,
                   dst_bytes = dst_stride * (int64_t)element_size(dst_dtype);
-    float *scratch = dst_dtype == src_dtype ? NULL : malloc(sizeof(float) * width);
-    if (dst_dtype != src_dtype && !scratch) {
-        free(offsets);
-        return -1;
-    }
-    for (int64_t i = 0; i < n; i++) {
-        if (i + PREFETCH_AHEAD < n) {
-            const char *next = (const char *)pool + offsets[i + PREFETCH_AHEAD] * src_size;
-            for (int64_t line = 0; line < row_numel * (int64_t)src_size; line += 64)
-                __builtin_prefetch(next + line);
+    int failed = 0;
+    /* runs of rows across the threads (each destination row is filled once: the slots) */
+#pragma omp parallel reduction(| : failed) if (n >= 64)
+    {
+        float *scratch = dst_dtype == src_dtype ? NULL : malloc(sizeof(float) * width);
+        failed = dst_dtype != src_dtype && !scratch;
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < n; i++) {
+            if (failed) continue;
+            if (i + PREFETCH_AHEAD < n) {
+                const char *next = (const char *)pool + offsets[i + PREFETCH_AHEAD] * src_size;
+                for (int64_t line = 0; line < row_numel * (int64_t)src_size; line += 64)
+                    __builtin_prefetch(next + line);
+            }
+            const char *from = (const char *)pool + offsets[i] * src_size;
+            for (int j = 0; j < split; j++) {
+                const int64_t to = dst_rows ? dst_rows[i * split + j] : i * split + j;
+                copy_row((char *)dst + to * dst_bytes, dst_dtype, from + j * width * src_size,
+                         src_dtype, width, scratch);
+            }
         }
-        const char *from = (const char *)pool + offsets[i] * src_size;
-        for (int j = 0; j < split; j++) {
-            const int64_t to = dst_rows ? dst_rows[i * split + j] : i * split + j;
-            copy_row((char *)dst + to * dst_bytes, dst_dtype, from + j * width * src_size,
-                     src_dtype, width, scratch);
-        }
+        free(scratch);
     }
-    free(scratch);
     free(offsets);
-    return 0;
+    return failed ? -1 : 0;
 }
