@@ -7,7 +7,9 @@ selected chunk missed (random tokens: the engine's end-to-end runs rebuild nearl
 
 ``--march`` builds the kernels for another CPU than this one (``skylake-avx512``: AVX-512
 without BF16; ``x86-64-v2``: no AVX-512) to time their other paths here; ``--csrc`` builds them
-from other sources (an older commit's ``git archive``) to time a change.
+from other sources (an older commit's ``git archive``) to time a change. Their functions must
+take this core/native.py's arguments: sources from before 2026-12-04 do not (landmark_scores
+then took its scratch, and kernel_threads did not exist).
 """
 
 import argparse
