@@ -410,9 +410,9 @@ def test_decode_attention_of_a_query_without_keys():
 
 
 @needs_native
-def test_c_kernels_on_two_threads_give_the_one_thread_bits():
+def test_c_kernels_on_more_threads_give_the_one_thread_bits():
     """The C kernels run on torch's OpenMP threads (native.OPENMP), each (request, KV head)
-    on one of them: on 2 threads every output is bit for bit the 1-thread output."""
+    on one of them: on 2 and 4 threads every output is bit for bit the 1-thread output."""
     with torch_threads(2):
         assert native.library().kernel_threads() == 2  # torch's thread pool, not one of its own
     h_kv, head_dim, dt = 2, 128, torch.bfloat16
@@ -439,16 +439,19 @@ def test_c_kernels_on_two_threads_give_the_one_thread_bits():
     def run():
         keys = torch.zeros(len(COUNTS), h_kv, 16 * c, head_dim, dtype=dt)
         native.rebuild_keys(*rebuild_args, keys)
+        # (fewer requests than threads: the landmark rows are split, not the requests)
+        few = [native.landmark_scores(q[at], landmarks, lm_rows, starts[at], counts[at], 300, 0.1)
+               for at in (slice(1, 2), slice(1, 4))]
         return [native.landmark_scores(q, landmarks, lm_rows, starts, counts, max(COUNTS), 0.1),
-                *native.select_slots(scores, chunks, starts, counts, 16, empty), keys,
+                *few, *native.select_slots(scores, chunks, starts, counts, 16, empty), keys,
                 *native.decode_attention(*decode_args)]
 
     with torch_threads(1):
         one = run()
-    with torch_threads(2):
-        two = run()
-    for x, y in zip(one, two, strict=True):
-        assert torch.equal(x, y)
+    for threads in (2, 4):
+        with torch_threads(threads):
+            for x, y in zip(one, run(), strict=True):
+                assert torch.equal(x, y), threads
 
 
 def test_copy_rows_of_other_layouts_take_the_reference():

@@ -23,6 +23,8 @@ enum { F32 = 0, BF16 = 1, F16 = 2 };
 
 static inline size_t element_size(int dtype) { return dtype == F32 ? 4 : 2; }
 
+int kernel_threads(void); /* threads.c: the threads of the kernels' parallel loops */
+
 static inline void to_f32(const void *src, int dtype, int n, float *out) {
     if (dtype == BF16) {
         const uint16_t *s = src;

@@ -99,12 +99,47 @@ static void row_dots(const struct rows *r, int dtype, const void *const *queries
     f32_dots(r, dtype, queries, q_dtype, nq, logits);
 }
 
+/* Request b's query rows: h * nq + s * g + j is token s, group member j of KV head h. */
+static void request_queries(const void *q, int q_dtype, int b, int s_q, int h_q, int h_kv,
+                            int d, const void **queries) {
+    const int g = h_q / h_kv, nq = s_q * g;
+    for (int h = 0; h < h_kv; h++)
+        for (int s = 0; s < s_q; s++)
+            for (int j = 0; j < g; j++)
+                queries[h * nq + s * g + j] = (const char *)q +
+                    (((int64_t)b * s_q + s) * h_q + h * g + j) * d * element_size(q_dtype);
+}
+
+/* KV head h's n scores from its group's logits rows (overwritten by their probabilities): each
+ * member's softmax summed over the query tokens (in sum, n floats), maxed over the group. */
+static void head_scores(float *logits, int64_t ld, int h, int s_q, int g, int n, float scale,
+                        float *sum, float *scores) {
+    const int nq = s_q * g;
+    for (int i = 0; i < n; i++) scores[i] = 0.f;
+    for (int j = 0; j < g; j++) {
+        for (int s = 0; s < s_q; s++) {
+            float *x = logits + ((int64_t)h * nq + s * g + j) * ld, top = -INFINITY;
+            float total = 0.f;
+            for (int i = 0; i < n; i++) top = x[i] > top ? x[i] : top;
+            for (int i = 0; i < n; i++) {
+                x[i] = expf((x[i] - top) * scale);
+                total += x[i];
+            }
+            const float inv = 1.f / total;
+            for (int i = 0; i < n; i++) sum[i] = (s ? sum[i] : 0.f) + x[i] * inv;
+        }
+        for (int i = 0; i < n; i++) scores[i] = sum[i] > scores[i] ? sum[i] : scores[i];
+    }
+}
+
 /* q: [B, s_q, h_q, d] contiguous, of q_dtype. landmarks: row i of head h at i * row_stride +
  * h * head_stride (elements; unit stride over d). lm_rows int64 [NL]; lm_start, lm_count int32
- * [B]. out: fp32 [B, h_kv, max_count], already -1. Each thread's logits: (h_q * s_q + 1) rows of
- * ld >= max_count fp32 (native.py pads ld off a multiple of 4 KiB: query rows that far apart
- * would share the same few L1 sets). Returns 0; 1 if d or h_q * s_q is over its maximum, 2 if a
- * scratch allocation failed. */
+ * [B]. out: fp32 [B, h_kv, max_count], already -1. Logits scratch: h_q * s_q rows of ld >=
+ * max_count fp32 (native.py pads ld off a multiple of 4 KiB: query rows that far apart would
+ * share the same few L1 sets). With at least as many requests as threads, each thread takes
+ * whole requests in its own scratch; with fewer, the threads share each request's rows, then its
+ * KV heads. Returns 0; 1 if d or h_q * s_q is over its maximum, 2 if a scratch allocation
+ * failed. */
 int landmark_scores(const void *q, int q_dtype, const void *landmarks, int dtype,
                     int64_t row_stride, int64_t head_stride, const int64_t *lm_rows,
                     const int32_t *lm_start, const int32_t *lm_count, int batch, int s_q,
@@ -115,50 +150,60 @@ int landmark_scores(const void *q, int q_dtype, const void *landmarks, int dtype
 #if defined(__AMX_BF16__)
     (void)amx_usable();  /* its one-time check, before the threads ask */
 #endif
+    const size_t logits_bytes = sizeof(float) * (size_t)h_q * s_q * ld;
+    const size_t row_bytes = row_stride * element_size(dtype),
+                 head_bytes = head_stride * element_size(dtype);
     int failed = 0;
-    /* requests across the threads, each with its own logits */
+    if (batch >= kernel_threads()) {
 #pragma omp parallel reduction(| : failed) if (batch > 1)
-    {
-        float *logits = malloc(sizeof(float) * ((int64_t)h_q * s_q + 1) * ld);
-        float *sum = logits + (int64_t)h_q * s_q * ld;
-        failed = !logits;
+        {
+            float *logits = malloc(logits_bytes), *sum = malloc(sizeof(float) * (ld + 1));
+            failed = !(logits && sum);
 #pragma omp for schedule(dynamic)
-        for (int b = 0; b < batch; b++) {
-            const int n = lm_count[b];
-            if (n == 0 || failed) continue;
-            const void *queries[MAX_QUERY_ROWS];  /* h * nq + s * g + j: token s, member j */
-            for (int h = 0; h < h_kv; h++)
-                for (int s = 0; s < s_q; s++)
-                    for (int j = 0; j < g; j++)
-                        queries[h * nq + s * g + j] = (const char *)q +
-                            (((int64_t)b * s_q + s) * h_q + h * g + j) * d *
-                                element_size(q_dtype);
-            const struct rows r = {landmarks, lm_rows + lm_start[b],
-                                   row_stride * element_size(dtype),
-                                   head_stride * element_size(dtype), n, h_kv, d, ld};
-            row_dots(&r, dtype, queries, q_dtype, nq, logits);
-            for (int h = 0; h < h_kv; h++) {
-                float *scores = out + ((int64_t)b * h_kv + h) * max_count;
-                for (int i = 0; i < n; i++) scores[i] = 0.f;
-                for (int j = 0; j < g; j++) {
-                    /* the group member's probabilities summed over the query tokens, in sum */
-                    for (int s = 0; s < s_q; s++) {
-                        float *x = logits + ((int64_t)h * nq + s * g + j) * ld, top = -INFINITY;
-                        float total = 0.f;
-                        for (int i = 0; i < n; i++) top = x[i] > top ? x[i] : top;
-                        for (int i = 0; i < n; i++) {
-                            x[i] = expf((x[i] - top) * scale);
-                            total += x[i];
-                        }
-                        const float inv = 1.f / total;
-                        for (int i = 0; i < n; i++) sum[i] = (s ? sum[i] : 0.f) + x[i] * inv;
-                    }
-                    for (int i = 0; i < n; i++)
-                        scores[i] = sum[i] > scores[i] ? sum[i] : scores[i];
-                }
+            for (int b = 0; b < batch; b++) {
+                const int n = lm_count[b];
+                if (n == 0 || failed) continue;
+                const void *queries[MAX_QUERY_ROWS];
+                request_queries(q, q_dtype, b, s_q, h_q, h_kv, d, queries);
+                const struct rows r = {landmarks, lm_rows + lm_start[b], row_bytes, head_bytes,
+                                       n, h_kv, d, ld};
+                row_dots(&r, dtype, queries, q_dtype, nq, logits);
+                for (int h = 0; h < h_kv; h++)
+                    head_scores(logits, ld, h, s_q, g, n, scale, sum,
+                                out + ((int64_t)b * h_kv + h) * max_count);
             }
+            free(logits), free(sum);
         }
-        free(logits);
+        return failed ? 2 : 0;
     }
+    float *logits = malloc(logits_bytes);
+    if (!logits) return 2;
+    for (int b = 0; b < batch && !failed; b++) {
+        const int n = lm_count[b];
+        if (n == 0) continue;
+        const void *queries[MAX_QUERY_ROWS];
+        request_queries(q, q_dtype, b, s_q, h_q, h_kv, d, queries);
+        const int blocks = 16 * kernel_threads();  /* a run of whole 16-row blocks per thread */
+        const int span = (n + blocks - 1) / blocks * 16;
+#pragma omp parallel reduction(| : failed)
+        {
+            float *sum = malloc(sizeof(float) * (ld + 1));
+            failed = !sum;
+#pragma omp for schedule(static)
+            for (int i0 = 0; i0 < n; i0 += span) {
+                const int i1 = i0 + span < n ? i0 + span : n;
+                const struct rows r = {landmarks, lm_rows + lm_start[b] + i0, row_bytes,
+                                       head_bytes, i1 - i0, h_kv, d, ld};
+                row_dots(&r, dtype, queries, q_dtype, nq, logits + i0);
+            }
+#pragma omp for schedule(dynamic)
+            for (int h = 0; h < h_kv; h++)
+                if (sum)
+                    head_scores(logits, ld, h, s_q, g, n, scale, sum,
+                                out + ((int64_t)b * h_kv + h) * max_count);
+            free(sum);
+        }
+    }
+    free(logits);
     return failed ? 2 : 0;
 }
