@@ -28,13 +28,26 @@ import torch
 import torch.nn.functional as F
 
 
-def prefill_flops(config: dict, length: int) -> dict:
-    hidden, layers = config["hidden_size"], config["num_hidden_layers"]
+def _widths(config: dict) -> tuple[int, int, int]:
+    """(hidden, query width, key/value width) of the model."""
+    hidden = config["hidden_size"]
     head_dim = config.get("head_dim") or hidden // config["num_attention_heads"]
-    q_width = config["num_attention_heads"] * head_dim
-    kv_width = config["num_key_value_heads"] * head_dim
-    weights = hidden * (q_width + 2 * kv_width) + q_width * hidden + 3 * hidden * config[
-        "intermediate_size"]
+    return (hidden, config["num_attention_heads"] * head_dim,
+            config["num_key_value_heads"] * head_dim)
+
+
+def _projections(config: dict) -> list[tuple[int, int]]:
+    """(in, out) of a layer's projections: fused QKV, output, fused gate-up, down."""
+    hidden, q_width, kv_width = _widths(config)
+    inter = config["intermediate_size"]
+    return [(hidden, q_width + 2 * kv_width), (q_width, hidden), (hidden, 2 * inter),
+            (inter, hidden)]
+
+
+def prefill_flops(config: dict, length: int) -> dict:
+    hidden, q_width, _ = _widths(config)
+    weights = sum(k * n for k, n in _projections(config))
+    layers = config["num_hidden_layers"]
     linear = 2 * weights * length * layers + 2 * hidden * config["vocab_size"]
     attention = 2 * q_width * length * (length + 1) * layers
     return {"linear": linear, "attention": attention, "total": linear + attention}
@@ -42,13 +55,8 @@ def prefill_flops(config: dict, length: int) -> dict:
 
 def gemm_rate(config: dict, tokens: int, reps: int) -> float:
     """The best bf16 GEMM rate (FLOP/s) over the model's projection shapes, ``tokens`` rows."""
-    hidden = config["hidden_size"]
-    head_dim = config.get("head_dim") or hidden // config["num_attention_heads"]
-    qkv = (config["num_attention_heads"] + 2 * config["num_key_value_heads"]) * head_dim
-    shapes = [(hidden, qkv), (config["num_attention_heads"] * head_dim, hidden),
-              (hidden, 2 * config["intermediate_size"]), (config["intermediate_size"], hidden)]
     best = 0.0
-    for k, n in shapes:
+    for k, n in _projections(config):
         x = torch.randn(tokens, k, dtype=torch.bfloat16)
         w = torch.randn(n, k, dtype=torch.bfloat16)
         F.linear(x, w)  # warm-up

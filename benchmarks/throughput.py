@@ -202,12 +202,12 @@ def child_main(args) -> None:
 
 
 # -- parent ------------------------------------------------------------------------------------
-def run_child(job: dict, out: Path, timeout: float, threads: int) -> dict:
+def run_child(job: dict, out: Path, timeout: float, cores_env: dict) -> dict:
     env = dict(os.environ)
     env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override kv_cache_memory_bytes
     env.pop("TRITON_INTERPRET", None)
-    env.update(engine_cores_env(threads))
+    env.update(cores_env)
     cmd = [sys.executable, __file__, "--child-out", str(out), "--child-job", json.dumps(job)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0 or not out.exists():
@@ -329,6 +329,7 @@ def main() -> None:
     model = args.model or str(build_model("tiny"))
     contexts = [int(c) for c in args.contexts.split(",")]
     args.out.mkdir(parents=True, exist_ok=True)
+    cores_env = engine_cores_env(args.threads)
     jobs = []
     backends = ("default", args.method)
 
@@ -349,7 +350,7 @@ def main() -> None:
     for job in bar:
         bar.set_postfix_str(f"{job['backend']} @ {job['context']}")
         run = run_child(job, args.out / f".run_{job['backend']}_{job['context']}.json",
-                        args.timeout, args.threads)
+                        args.timeout, cores_env)
         runs.append(run)
         if "wall_s" in run:
             tqdm.write(f"{run['backend']:>8} @ {run['context']:>6}: batch {run['batch']:>3}, "
@@ -373,7 +374,7 @@ def main() -> None:
         "machine": f"{os.cpu_count()}-core {cpu}",
         "date": datetime.date.today().isoformat(),
         "contexts": contexts, "gen": args.gen, "kv_mib": args.kv_mib,
-        "omp_num_threads": int(engine_cores_env(args.threads)["OMP_NUM_THREADS"]),
+        "omp_num_threads": int(cores_env["OMP_NUM_THREADS"]),
         "method": args.method,
         "wall_s": round(time.perf_counter() - wall, 1),
         "note": "CPU timings do not predict GPU speed",

@@ -153,11 +153,12 @@ int landmark_scores(const void *q, int q_dtype, const void *landmarks, int dtype
     const size_t logits_bytes = sizeof(float) * (size_t)h_q * s_q * ld;
     const size_t row_bytes = row_stride * element_size(dtype),
                  head_bytes = head_stride * element_size(dtype);
+    const int threads = kernel_threads();
     int failed = 0;
-    if (batch >= kernel_threads()) {
+    if (batch >= threads) {
 #pragma omp parallel reduction(| : failed) if (batch > 1)
         {
-            float *logits = malloc(logits_bytes), *sum = malloc(sizeof(float) * (ld + 1));
+            float *logits = malloc(logits_bytes), *sum = malloc(sizeof(float) * ld);
             failed = !(logits && sum);
 #pragma omp for schedule(dynamic)
             for (int b = 0; b < batch; b++) {
@@ -183,11 +184,11 @@ int landmark_scores(const void *q, int q_dtype, const void *landmarks, int dtype
         if (n == 0) continue;
         const void *queries[MAX_QUERY_ROWS];
         request_queries(q, q_dtype, b, s_q, h_q, h_kv, d, queries);
-        const int blocks = 16 * kernel_threads();  /* a run of whole 16-row blocks per thread */
+        const int blocks = 16 * threads;  /* a run of whole 16-row blocks per thread */
         const int span = (n + blocks - 1) / blocks * 16;
 #pragma omp parallel reduction(| : failed)
         {
-            float *sum = malloc(sizeof(float) * (ld + 1));
+            float *sum = malloc(sizeof(float) * ld);
             failed = !sum;
 #pragma omp for schedule(static)
             for (int i0 = 0; i0 < n; i0 += span) {
