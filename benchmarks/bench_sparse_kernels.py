@@ -27,20 +27,24 @@ from vllm_shadowkv.core.rope import RopeCache
 
 H_KV, H_Q, D, RANK, CHUNK = 8, 32, 128, 160, 8
 PAGE_ROWS, PAGE_LANDMARKS = 36, 16  # rows of H_KV x D per page of 128 tokens, landmark rows
+FLUSH = torch.zeros(0)  # --cold: twice the last-level cache, written before each timed call
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
-def _best_ms(fn, reps: int) -> float:
+def _best_ms(fn, reps: int, cold: bool = False) -> float:
     fn()
     times = []
     for _ in range(reps):
+        if cold:  # what the engine's weights do between two layers' steps
+            FLUSH.add_(1)
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
     return min(times) * 1e3
 
 
-def measure(context: int, batch: int, budget: int, dtype: torch.dtype, reps: int) -> dict:
+def measure(context: int, batch: int, budget: int, dtype: torch.dtype, reps: int,
+            cold: bool = False) -> dict:
     chunks, k = context // CHUNK, budget // CHUNK
     # A rows in a shuffled order: the selected chunks' rows are scattered over the pages.
     a = torch.randn(batch * context, RANK).to(dtype)
@@ -57,7 +61,7 @@ def measure(context: int, batch: int, budget: int, dtype: torch.dtype, reps: int
     keys = torch.zeros(batch, H_KV, k * CHUNK, D, dtype=dtype)
     args = (a, a_rows, a_positions, starts * context, b, slot_chunks, miss_slots, miss_count,
             rope, keys)
-    rebuild_c = _best_ms(lambda: native.rebuild_keys(*args), reps)
+    rebuild_c = _best_ms(lambda: native.rebuild_keys(*args), reps, cold)
     rebuild_torch = _best_ms(lambda: reconstruct.rebuild_keys(*args), max(1, reps // 4))
     want = keys.clone()
     reconstruct.rebuild_keys(*args[:-1], want)
@@ -73,7 +77,7 @@ def measure(context: int, batch: int, budget: int, dtype: torch.dtype, reps: int
     q = torch.randn(batch, 1, H_Q, D).to(dtype)
     counts = torch.full((batch,), chunks, dtype=torch.int32)
     lm = (q, landmarks, lm_rows, starts * chunks, counts, chunks, D ** -0.5)
-    scores_c = _best_ms(lambda: native.landmark_scores(*lm), reps)
+    scores_c = _best_ms(lambda: native.landmark_scores(*lm), reps, cold)
     scores_torch = _best_ms(lambda: select.landmark_scores(*lm), max(1, reps // 4))
     scores_err = (native.landmark_scores(*lm) - select.landmark_scores(*lm)).abs().max().item()
     return {"context": context, "batch": batch, "keys_rebuilt": batch * H_KV * k * CHUNK,
@@ -84,6 +88,15 @@ def measure(context: int, batch: int, budget: int, dtype: torch.dtype, reps: int
             "scores_gb_s": lm_rows.numel() * H_KV * D * landmarks.element_size() / scores_c / 1e6}
 
 
+def _last_level_cache() -> int:
+    """Bytes of the largest cache (sysfs), 32 MiB where it does not say."""
+    sizes = []
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        text = index.read_text().strip()
+        sizes.append(int(text[:-1]) << {"K": 10, "M": 20}.get(text[-1], 0))
+    return max(sizes, default=32 << 20)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--contexts", type=int, nargs="+", default=[32768, 131072])
@@ -92,6 +105,9 @@ def main() -> None:
                         help="selected tokens per KV head, as a share of the context")
     parser.add_argument("--dtype", choices=list(DTYPES), default="bf16")
     parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--cold", action="store_true",
+                        help="caches flushed before each timed call, as between the engine's "
+                             "layers (its weights stream through the caches)")
     parser.add_argument("--march", help="-march= of the kernels' build (default: native)")
     parser.add_argument("--csrc", type=Path, help="build the kernels from these sources")
     parser.add_argument("--out", type=Path, required=True)
@@ -104,11 +120,14 @@ def main() -> None:
     if native.library() is None:
         raise SystemExit("bench_sparse_kernels: the C kernels are not built (no C compiler?)")
     torch.manual_seed(0)
+    if args.cold:
+        global FLUSH
+        FLUSH = torch.zeros(_last_level_cache() // 2)  # fp32: twice the cache's bytes
     cases = [(c, b) for c in args.contexts for b in args.batches]
     rows = []
     for context, batch in tqdm(cases, desc="sparse kernels", unit="case"):
         budget = max(CHUNK, round(args.budget * context / CHUNK) * CHUNK)
-        rows.append(measure(context, batch, budget, DTYPES[args.dtype], args.reps))
+        rows.append(measure(context, batch, budget, DTYPES[args.dtype], args.reps, args.cold))
     print(f"{'context':>8} {'batch':>5} {'keys':>6} {'rebuild C ms':>12} {'torch ms':>9} "
           f"{'landmarks':>9} {'scores C ms':>11} {'torch ms':>9} {'GB/s':>5}")
     for r in rows:
@@ -118,7 +137,7 @@ def main() -> None:
     meta = {"command": "benchmarks/bench_sparse_kernels.py", "date": str(date.today()),
             "machine": platform.processor() or platform.machine(), "dtype": args.dtype,
             "march": args.march or "native", "csrc": str(args.csrc or native.CSRC),
-            "threads": torch.get_num_threads()}
+            "threads": torch.get_num_threads(), "cold": args.cold}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     print(f"wrote {args.out}")

@@ -54,8 +54,8 @@ def read_exact(kv_cache, layout: PageLayout, prompt_len: int, block_ids, positio
 
 def write_exact(kv_cache, layout: PageLayout, blocks, slots, key, value) -> None:
     view = exact_view(kv_cache, layout)
-    view[blocks, slots, 0] = key.to(view.dtype)
-    view[blocks, slots, 1] = value.to(view.dtype)
+    view[blocks, slots, 0] = key if key.dtype == view.dtype else key.to(view.dtype)
+    view[blocks, slots, 1] = value if value.dtype == view.dtype else value.to(view.dtype)
 
 
 def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

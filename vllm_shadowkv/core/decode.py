@@ -214,18 +214,19 @@ class DecodeBatch:
 def decode_step(
     batch: DecodeBatch,
     q: torch.Tensor,
-    k_new: torch.Tensor,
-    v_new: torch.Tensor,
+    k_new: torch.Tensor | None,
+    v_new: torch.Tensor | None,
     store: ValueStore,
     scale: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One decode step of one layer. q [B, s_q, h_q, d], k_new/v_new [B, s_q, h_kv, d], all
-    post-RoPE, the step's tokens following each request's previous ones (causal among them).
+    post-RoPE, the step's tokens following each request's previous ones (causal among them);
+    k_new/v_new are not read where the batch is ``in_place`` (the pages hold them already).
     -> out [B, s_q, h_q, d], lse [B, s_q, h_q] fp32 (natural log). scale defaults to
     1/sqrt(d); landmark scoring always uses 1/sqrt(d) as the paper does."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     s_q, c = q.shape[1], batch.params.chunk_size
-    gen_before = batch.gen_len.clone()
+    gen_before = batch.gen_len  # (both branches replace gen_len, never write it in place)
     if batch.in_place is None:
         batch._append_generated(k_new, v_new)
     else:  # the step's K/V are in the pages already

@@ -147,15 +147,59 @@ def library() -> ctypes.CDLL | None:
     lib.kernel_threads.argtypes = []
     lib.copy_rows.restype = None
     lib.copy_rows.argtypes = [_ptr, _i32, _i64, _ptr, _i64, _ptr, _i32, _i64, _ptr, _i64]
+    lib.sparse_step.restype = ctypes.c_int64
+    lib.sparse_step.argtypes = [ctypes.POINTER(SparseStep)]
     return lib
 
 
+class SparseStep(ctypes.Structure):
+    """``csrc/sparse_step.c``'s ``struct sparse_step``, field by field: ShadowKV's whole CPU
+    decode step of one layer in one call. Set once per batch and layer cache
+    (``methods/shadowkv/pages.py``, which keeps the tensors it points into alive); a step sets
+    ``q``, ``out``, ``lse``, ``k_rows``, ``v_rows``, ``width`` and ``gen_before``."""
+
+    _fields_ = [(name, kind) for names, kind in (
+        ("pages", _ptr),
+        ("dtype num_rows batch s_q h_q h_kv d rank k chunk", _i64),
+        ("scale landmark_scale", ctypes.c_double),
+        ("q", _ptr), ("q_dtype", _i64), ("out lse k_rows v_rows", _ptr), ("width", _i64),
+        ("gen_before landmark_rows lm_start lm_count landmark_chunks", _ptr),
+        ("max_landmarks logits_ld", _i64),
+        ("scores a_rows a_positions a_start b_offsets b cos_sin", _ptr),
+        ("cos_sin_dtype rotary_dim neox", _i64),
+        ("slot_ids slot_chunks miss_slots miss_count slot_k_rows slot_v_rows heads chunks "
+         "filled misses value_rows", _ptr),
+        ("exact_width", _i64), ("exact_len pool", _ptr), ("pool_dtype", _i64),
+        ("page_offsets first_page num_heads num_rows_stored", _ptr),
+        ("page_rows row_numel", _i64)) for name in names.split()]
+
+
+def sparse_step(step: SparseStep) -> int:
+    """Runs one step (``SparseStep``); -> 0, or 1 + the first missed row the value store does
+    not hold (the caller raises). A failed scratch allocation raises here."""
+    status = library().sparse_step(ctypes.byref(step))
+    if status == -1:
+        raise MemoryError("sparse_step: a kernel's scratch allocation failed")
+    if status == -2:
+        raise IndexError("sparse_step: a value row's destination is outside the pages")
+    return status
+
+
 def _int32(t: torch.Tensor) -> torch.Tensor:
-    return t.to(torch.int32).contiguous()
+    return _as(t, torch.int32)
 
 
 def _int64(t: torch.Tensor) -> torch.Tensor:
-    return t.to(torch.int64).contiguous()
+    return _as(t, torch.int64)
+
+
+def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` as one run of ``dtype``: itself where it is one already. Checked in Python: a
+    decode step passes dozens of such tensors, and each no-op ``.to`` or ``.contiguous`` is a
+    dispatch (microseconds each once the model's weights have swept the caches)."""
+    if t.dtype == dtype and t.is_contiguous():
+        return t
+    return t.to(dtype).contiguous()
 
 
 def landmark_scores(q, landmarks, lm_rows, lm_start, lm_count, max_count, scale):
@@ -237,7 +281,7 @@ def select_slots(scores, landmark_chunks, lm_start, lm_count, k, slot_chunks):
     """select.select_slots in one C call for the whole batch (``csrc/select_slots.c``), for
     what ``supports_select`` accepts. Among equal scores the lower landmark wins."""
     batch, h_kv, max_count = scores.shape
-    scores, chunks = scores.float().contiguous(), _int32(landmark_chunks)
+    scores, chunks = _as(scores, torch.float32), _int32(landmark_chunks)
     starts, counts = _int32(lm_start), _int32(lm_count)
     slots = slot_chunks.to(torch.int32, copy=True).contiguous()
     miss_slots = torch.empty(batch, h_kv, k, dtype=torch.int32)

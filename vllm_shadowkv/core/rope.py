@@ -21,6 +21,8 @@ class RopeCache:
         assert self.rotary_dim % 2 == 0
 
     def to(self, device: torch.device) -> "RopeCache":
+        if self.cos_sin_cache.device == torch.device(device):
+            return self
         return RopeCache(self.cos_sin_cache.to(device), self.rotary_dim, self.is_neox_style)
 
 

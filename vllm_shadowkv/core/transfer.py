@@ -24,7 +24,7 @@ def to_device_async(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     """`host` on `device`. To CUDA: copied on this device's copy stream; the current stream
     waits for it, so work queued on the current stream before this call overlaps the copy."""
     if device.type != "cuda":
-        return host.to(device)
+        return host if host.device == device else host.to(device)
     if not host.is_pinned():  # (from pageable memory the copy would make the host wait)
         host = host.pin_memory()
     compute = torch.cuda.current_stream(device)

@@ -157,7 +157,8 @@ class CpuValueStore:
             return out
         keys, counts = zip(*stored)
         entries = [self._entry(key) for key in keys]
-        heads, chunks = heads.cpu().long(), chunks.cpu().long()
+        heads, chunks = (t if t.device.type == "cpu" and t.dtype == torch.int64
+                         else t.cpu().long() for t in (heads, chunks))
         row_numel = math.prod(self.row_shape)
         if ops.compiled_cpu(out) and native.supports_store_gather(out, out_rows, self._extents[0],
                                                                   row_numel):
@@ -237,6 +238,20 @@ class CpuValueStore:
                              f"{int(num_rows[i])} rows; asked for head {int(heads[i])}, "
                              f"row {int(chunks[i])}")
         return per_row
+
+    def gather_tables(self, keys: tuple[Hashable, ...], out: torch.Tensor,
+                      split: int) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]] | None:
+        """For a kernel that gathers the keys' rows itself (``native.SparseStep``) into rows of
+        ``out``, each stored row ``split`` of them: the pool (the first extent) and the keys'
+        page tables (``_tables``); None where ``gather_many``'s C path would not run (no
+        kernels, another device or dtype) or a key is not stored."""
+        row_numel = math.prod(self.row_shape)
+        if not (self._extents and all(key in self._entries for key in keys)
+                and ops.compiled_cpu(out) and len(out) and out[0].numel() * split == row_numel
+                and out.dtype in native.DTYPES and self.dtype in native.DTYPES
+                and out[0].is_contiguous() and native.library() is not None):
+            return None
+        return self._extents[0], self._tables(keys)
 
     def _tables(self, keys: tuple[Hashable, ...]) -> tuple[torch.Tensor, ...]:
         """The keys' page tables for the C gather: page offsets (``page_offsets``, one table),

@@ -20,6 +20,10 @@ enum { F32 = 0, BF16 = 1, F16 = 2 };
 /* Rows prefetched ahead by the bf16 row dots: rows are read through ids (a request's landmarks
  * lie in runs of a page's 16 rows), where the hardware's stream prefetch starts over. */
 #define DOTS_AHEAD 2
+/* and, into L2, this many rows ahead: once the model's weights have swept the caches between
+ * layers the rows come from memory, and 2 rows ahead did not cover its latency (the landmark
+ * pass at 32K: 0.45-0.52 -> 0.40 ms, benchmarks/bench_sparse_kernels.py --cold) */
+#define DOTS_FAR 16
 
 static inline size_t element_size(int dtype) { return dtype == F32 ? 4 : 2; }
 
@@ -152,6 +156,12 @@ static inline __attribute__((always_inline)) void bf16_dots_nv(
             for (int h = 0; h < r->h_kv; h++)
                 for (int line = 0; line < r->d * 2; line += 64)
                     _mm_prefetch(ahead + h * r->head_bytes + line, _MM_HINT_T0);
+        }
+        if (i + DOTS_FAR < i1) {  /* into L2 a page's landmarks ahead: from memory */
+            const char *ahead = r->base + r->ids[i + DOTS_FAR] * r->row_bytes;
+            for (int h = 0; h < r->h_kv; h++)
+                for (int line = 0; line < r->d * 2; line += 64)
+                    _mm_prefetch(ahead + h * r->head_bytes + line, _MM_HINT_T1);
         }
         for (int h = 0; h < r->h_kv; h++) {
             const uint16_t *row = (const uint16_t *)(r->base + r->ids[i] * r->row_bytes +

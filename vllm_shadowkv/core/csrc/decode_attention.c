@@ -14,6 +14,7 @@
 #include <stdlib.h>
 
 #include "cpu.h"
+#include "sparse_step.h"
 
 #define BLOCK 16 /* rows per online-softmax update */
 /* A finite "no score": -ffast-math assumes no infinities, so none are compared; exp of it

@@ -13,6 +13,7 @@
 #include <stdlib.h>
 
 #include "cpu.h"
+#include "sparse_step.h"
 
 
 static void f32_dots(const struct rows *r, int dtype, const void *const *queries, int q_dtype,

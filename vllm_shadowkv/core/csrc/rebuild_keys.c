@@ -13,6 +13,7 @@
 #include <stdlib.h>
 
 #include "cpu.h"
+#include "sparse_step.h"
 
 struct rebuild {
     const char *a; int a_dtype; int64_t a_row_bytes;

@@ -10,6 +10,7 @@
 #include <stdlib.h>
 
 #include "cpu.h"
+#include "sparse_step.h"
 
 static int by_chunk(const void *a, const void *b) {
     const int x = ((const int32_t *)a)[0], y = ((const int32_t *)b)[0];

@@ -5,6 +5,7 @@
 #include <stdlib.h>
 
 #include "cpu.h"
+#include "sparse_step.h"
 
 struct tables {
     const int64_t *page_offsets;  /* element offset of each page from the pool's first element */

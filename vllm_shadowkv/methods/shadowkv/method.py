@@ -13,6 +13,7 @@ from vllm_shadowkv.core.compress import compress_prompt
 from vllm_shadowkv.core.decode import decode_step
 from vllm_shadowkv.core.fidelity import attended_chunks, chunk_attention_mass, measure_fidelity
 from vllm_shadowkv.methods.base import KVMethod, KVShapes, LayerContext, RequestRows
+from vllm_shadowkv.methods.shadowkv.cpu_step import CpuStep
 from vllm_shadowkv.methods.shadowkv.pages import BatchPlan, RequestPlan, ShadowKVPages
 from vllm_shadowkv.methods.shadowkv.settings import ShadowKVSettings
 from vllm_shadowkv.store import paged_bytes
@@ -30,6 +31,7 @@ class StepRows:
     blocks: torch.Tensor  # [B, G] page of each generated token (padded)
     within: torch.Tensor  # [B, G] its slot in the page
     gen_rows: torch.Tensor | None = None  # (``_generated_rows``)
+    attended: tuple | None = None  # (plan, k rows, v rows): ``_attended_rows``
 
 
 class ShadowKVMethod(KVMethod):
@@ -101,34 +103,78 @@ class ShadowKVMethod(KVMethod):
         plan = self._batch_plan(layer, reqs)
         step = self._step_rows(layer, reqs, s_q)
         in_place = self.pages.slots_in_place and ops.compiled_cpu(layer.kv_cache)
+        cpu_step = self._cpu_step(layer, plan, reqs, s_q, query) if in_place else None
+        if cpu_step is not None:  # the whole step in one C call
+            k_rows, v_rows = self._attended_rows(layer, step, plan)
+            misses = cpu_step.run(layer.store, query[step.rows].unflatten(0, (n, s_q)), k_rows,
+                                  v_rows, step.gen_len, layer.scale)
+            out[step.rows] = cpu_step.out.flatten(0, 1)
+            self._count_step(layer, reqs, misses)
+            return
         generated = self._generated_rows(layer, step) if in_place else self._generated(layer, step)
         batch, outliers = self.pages.load_batch(layer.kv_cache, plan, layer.rope, generated,
                                                 step.gen_len, max(step.counts))
         batch.store_keys = [(r.req_id, layer.index) for r in reqs]
-        q, k, v = (t[step.rows].unflatten(0, (n, s_q)) for t in (query, key, value))
+        # In place the step's K/V are read from their pages: only the queries are gathered.
+        q, k, v = (t[step.rows].unflatten(0, (n, s_q)) if t is query or not in_place else None
+                   for t in (query, key, value))
         result, _ = decode_step(batch, q, k, v, layer.store, layer.scale)
         out[step.rows] = result.flatten(0, 1)
         self.pages.store_slots(layer.kv_cache, plan, batch)
-
-        # Counted on the host: each KV head selects min(k, landmarks) chunks; the misses came
-        # back with the step's one copy to the host.
-        heads, k_sel = self.shapes.num_kv_heads, self.params.select_chunks
-        row_bytes = self.settings.chunk_size * self.shapes.head_size * self.shapes.elem_bytes
+        self._count_step(layer, reqs, batch.step_misses)
         gen_kv = None
         for i, req in enumerate(reqs):
-            stats = layer.stats(req.req_id)
-            selected = heads * min(k_sel, self._plans[req.req_id].num_landmarks)
-            stats.decode_steps += 1
-            stats.selected += selected
-            stats.hits += selected - batch.step_misses[i]
-            stats.bytes_fetched += batch.step_misses[i] * row_bytes
             reference = layer.reference_kv.get((req.req_id, layer.index))
             if reference is not None:
                 gen = slice(0, step.counts[i] + s_q)  # the step's tokens included
                 gen_kv = gen_kv or batch.generated()
                 self._record_fidelity(layer, req, reference, outliers[i],
                                       batch.slot_chunks[i], gen_kv[0][i, :, gen],
-                                      gen_kv[1][i, :, gen], q[i], result[i], stats)
+                                      gen_kv[1][i, :, gen], q[i], result[i],
+                                      layer.stats(req.req_id))
+
+    def _count_step(self, layer: LayerContext, reqs: list[RequestRows],
+                    misses: list[int]) -> None:
+        """Counted on the host: each KV head selects min(k, landmarks) chunks; the misses came
+        back with the step's one copy to the host."""
+        heads, k_sel = self.shapes.num_kv_heads, self.params.select_chunks
+        row_bytes = self.settings.chunk_size * self.shapes.head_size * self.shapes.elem_bytes
+        for req, missed in zip(reqs, misses):
+            stats = layer.stats(req.req_id)
+            selected = heads * min(k_sel, self._plans[req.req_id].num_landmarks)
+            stats.decode_steps += 1
+            stats.selected += selected
+            stats.hits += selected - missed
+            stats.bytes_fetched += missed * row_bytes
+
+    def _cpu_step(self, layer: LayerContext, plan: BatchPlan, reqs: list[RequestRows],
+                  s_q: int, query: torch.Tensor) -> CpuStep | None:
+        """The batch's one-call CPU step in this layer (built once), or None where the
+        composed step runs: the fidelity measure's requests (it reads the step's parts), or
+        what ``CpuStep.build`` does not take."""
+        if query.dtype != layer.kv_cache.dtype or (layer.reference_kv and any(
+                (r.req_id, layer.index) in layer.reference_kv for r in reqs)):
+            return None
+        key = (layer.kv_cache.data_ptr(), s_q)
+        cpu_step = plan.cpu_steps.get(key)
+        if cpu_step is None:
+            cpu_step = CpuStep.build(self.pages, layer.kv_cache, plan, layer.rope, layer.store,
+                                     tuple((r.req_id, layer.index) for r in reqs), s_q,
+                                     query.shape[1])
+            if cpu_step is not None:
+                plan.cpu_steps[key] = cpu_step
+        return cpu_step
+
+    def _attended_rows(self, layer: LayerContext, step: StepRows,
+                       plan: BatchPlan) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows the step attends, [B, h, E + k*c + G + s_q] int64 for K and for V: the
+        exact region and the slots (the plan's), then the generated tokens (the step's). Every
+        layer's the same: built in the step's first."""
+        if step.attended is None or step.attended[0] is not plan:
+            gen = self._generated_rows(layer, step)
+            step.attended = (plan, torch.cat([plan.attended_k, gen[0]], -1),
+                             torch.cat([plan.attended_v, gen[1]], -1))
+        return step.attended[1], step.attended[2]
 
     # -- where a batch's data is ----------------------------------------------------------------
     def _plan(self, layer: LayerContext, req: RequestRows) -> RequestPlan:

@@ -101,6 +101,10 @@ class BatchPlan:
     # Per layer cache (by its data pointer): the outlier ids [B, h, o] and each pooled
     # landmark's chunk id [NL, h], fixed once the requests are compressed.
     chunk_ids: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    # The one-call CPU step (cpu_step.py): its scratch, shared by the layers, and its steps by
+    # (layer cache, query rows per request).
+    cpu_scratch: dict[str, torch.Tensor] = field(default_factory=dict)
+    cpu_steps: dict[tuple[int, int], object] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -325,12 +329,7 @@ class ShadowKVPages:
         params, h, d = self.settings.params, self.shapes.num_kv_heads, self.shapes.head_size
         batch, c, k = len(plan.req_ids), params.chunk_size, params.select_chunks
         ids = self.ids(kv_cache)
-        cached = plan.chunk_ids.get(kv_cache.data_ptr())
-        if cached is None:
-            outliers = ids[plan.outliers].view(batch, h, -1)
-            cached = plan.chunk_ids[kv_cache.data_ptr()] = (
-                outliers, _selectable_chunk_ids(outliers, plan))
-        outliers, landmark_chunks = cached
+        outliers, landmark_chunks = self.chunk_ids(kv_cache, plan)
         if isinstance(generated, torch.Tensor):
             state = dict.fromkeys(("exact_k", "exact_v", "slot_k", "slot_v", "gen_k", "gen_v"))
             state["in_place"] = InPlace(
@@ -355,6 +354,18 @@ class ShadowKVPages:
             slot_chunks=ids[plan.slot_chunks].view(batch, h, k), gen_len=gen_len,
             gen_width=gen_width, **state,
         ), outliers
+
+    def chunk_ids(self, kv_cache: torch.Tensor,
+                  plan: BatchPlan) -> tuple[torch.Tensor, torch.Tensor]:
+        """The batch's outlier ids [B, h, o] and each pooled landmark's chunk id [NL, h] int32
+        in this layer cache: fixed once the requests are compressed, so read once."""
+        cached = plan.chunk_ids.get(kv_cache.data_ptr())
+        if cached is None:
+            outliers = self.ids(kv_cache)[plan.outliers].view(len(plan.req_ids),
+                                                              self.shapes.num_kv_heads, -1)
+            cached = plan.chunk_ids[kv_cache.data_ptr()] = (
+                outliers, _selectable_chunk_ids(outliers, plan))
+        return cached
 
     def store_slots(self, kv_cache: torch.Tensor, plan: BatchPlan, batch: DecodeBatch) -> None:
         """Persist the selection slots after a step: all slot ids, and the K/V rows of the slots

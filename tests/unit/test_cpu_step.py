@@ -1,0 +1,115 @@
+"""ShadowKV's one-call CPU step (methods/shadowkv/cpu_step.py) against the composed step it
+replaces, through the method's hooks, without vLLM."""
+
+import dataclasses
+import re
+
+import pytest
+import torch
+
+from vllm_shadowkv.backend.exact_attention import write_exact
+from vllm_shadowkv.backend.worker_state import RequestStats
+from vllm_shadowkv.core import native
+from vllm_shadowkv.core.rope import apply_rope
+from vllm_shadowkv.methods.base import RequestRows
+from vllm_shadowkv.methods.shadowkv.method import ShadowKVMethod
+from vllm_shadowkv.store import CpuValueStore
+
+from pages_util import SETTINGS, context, make_layout, rope_for
+
+pytestmark = pytest.mark.skipif(native.library() is None, reason="no C compiler")
+
+
+def test_the_struct_mirrors_the_c_one():
+    """``native.SparseStep`` lists ``struct sparse_step``'s fields in its order."""
+    source = (native.CSRC / "sparse_step.c").read_text()
+    body = re.search(r"struct sparse_step \{(.*?)\n\};", source, re.S).group(1)
+    body = re.sub(r"/\*.*?\*/", "", body, flags=re.S)
+    names = []
+    for declaration in filter(None, (d.strip() for d in body.split(";"))):
+        first, *rest = declaration.split(",")
+        names += [first.split()[-1].lstrip("*")] + [r.strip().lstrip("*") for r in rest]
+    assert names == [name for name, _ in native.SparseStep._fields_]
+
+
+def _run(dtype, layout, prompts, steps):
+    """Decodes a ragged batch (prompt lengths differ, request c takes two query rows a step, b
+    finishes after two steps), with the one-call step on unless the caller turned it off.
+    -> outputs per request, the pages, the stats and whether the one-call step ran."""
+    g = torch.Generator().manual_seed(4)
+    method, rope = layout.method, rope_for()
+    h, d, hq = layout.shapes.num_kv_heads, layout.shapes.head_size, 8
+    lengths = {r: p + 2 * steps for r, p in prompts.items()}
+    needed = {r: layout.blocks_needed(p, lengths[r]) for r, p in prompts.items()}
+    cache = torch.zeros(sum(needed.values()) + 3, 1, layout.block_size,
+                        layout.page_bytes // layout.block_size // dtype.itemsize, dtype=dtype)
+    ids = (torch.randperm(len(cache) - 1, generator=g) + 1).split(list(needed.values()) + [2])
+    blocks = dict(zip(prompts, ids))
+    kv = {r: (apply_rope(torch.randn(n, h, d, generator=g), torch.arange(n), rope).to(dtype),
+              torch.randn(n, h, d, generator=g).to(dtype)) for r, n in lengths.items()}
+    store = CpuValueStore(sum(method.store_bytes(0, p) for p in prompts.values()), dtype,
+                          method.store_row_shape(0))
+    stats = {r: RequestStats() for r in prompts}
+    ctx = dataclasses.replace(context(cache, layout, rope, store, None), stats=stats.__getitem__)
+    for r, p in prompts.items():
+        k, v = kv[r]
+        write_exact(cache, layout, *layout.exact_token_slots(p, blocks[r], torch.arange(p)),
+                    k[:p], v[:p])
+        method.finalize(ctx, RequestRows(r, p, p, 0, 0, blocks[r]), k[:p], v[:p])
+    outs, seq, ran = {r: [] for r in prompts}, dict(prompts), False
+    gq = torch.Generator().manual_seed(5)
+    for step in range(steps):
+        live = [r for r in prompts if not (r == "b" and step >= 2)]
+        rows = {r: 2 if r == "c" else 1 for r in live}
+        reqs, at = [], 0
+        for r in live:
+            new, (k, v) = seq[r] + rows[r], kv[r]
+            positions = torch.arange(seq[r], new)
+            write_exact(cache, layout, *layout.exact_token_slots(prompts[r], blocks[r],
+                                                                 positions),
+                        k[positions], v[positions])
+            reqs.append(RequestRows(r, prompts[r], new, at, at + rows[r], blocks[r]))
+            at += rows[r]
+        query = torch.randn(at, hq, d, generator=gq).to(dtype)
+        key = torch.cat([kv[r][0][seq[r]: seq[r] + rows[r]] for r in live])
+        value = torch.cat([kv[r][1][seq[r]: seq[r] + rows[r]] for r in live])
+        out = torch.zeros_like(query)
+        method.decode(ctx, reqs, query, key, value, out)
+        ran |= any(plan.cpu_steps for plan in method._batch_plans.values())
+        for req in reqs:
+            outs[req.req_id].append(out[req.start: req.end].clone())
+        if step == 1:
+            method.release("b")
+            store.free(("b", 0))
+        for r in live:
+            seq[r] += rows[r]
+    return outs, cache, stats, ran
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_size", [32, 40])
+def test_one_call_step_equals_the_composed_step(dtype, block_size, monkeypatch):
+    """Same outputs, same pages (slots, ids), same hit counts, bit for bit: the same kernels in
+    the same order."""
+    prompts = {"a": 600, "b": 1000, "c": 777}
+    layout = make_layout(block_size=block_size, dtype=dtype,
+                         settings=dataclasses.replace(SETTINGS, rank=64))
+    assert layout.method.pages.slots_in_place
+    one = _run(dtype, layout, prompts, steps=4)
+    monkeypatch.setattr(ShadowKVMethod, "_cpu_step", lambda *args: None)
+    layout = make_layout(block_size=block_size, dtype=dtype,
+                         settings=dataclasses.replace(SETTINGS, rank=64))
+    composed = _run(dtype, layout, prompts, steps=4)
+    assert one[3] and not composed[3]
+    for r in prompts:
+        assert len(one[0][r]) == len(composed[0][r])
+        for got, want in zip(one[0][r], composed[0][r]):
+            assert torch.equal(got, want)
+    assert torch.equal(one[1].view(torch.int16), composed[1].view(torch.int16)) \
+        if dtype == torch.bfloat16 else torch.equal(one[1].view(torch.int32),
+                                                    composed[1].view(torch.int32))
+    for r in prompts:
+        a, b = one[2][r], composed[2][r]
+        assert (a.decode_steps, a.selected, a.hits, a.bytes_fetched) == \
+            (b.decode_steps, b.selected, b.hits, b.bytes_fetched)
+        assert a.hits < a.selected  # some slots were refilled
