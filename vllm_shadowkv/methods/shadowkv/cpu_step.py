@@ -98,7 +98,10 @@ class CpuStep:
         """One step: q [B, s_q, h_q, d] contiguous of the cache's dtype; k_rows/v_rows
         [B, h, width] int64 (exact region, slots, generated tokens); gen_before [B] int64. The
         output lands in ``out`` and ``lse``; -> the missed chunks of each request."""
-        pool, tables = store.gather_tables(self.keys, self.rows, self.step.chunk)
+        found = store.gather_tables(self.keys, self.rows, self.step.chunk)
+        if found is None:  # the batch's plan outlived a request's rows (release drops both)
+            raise RuntimeError(f"value store: a request of the batch {self.keys} has no rows")
+        pool, tables = found
         if tables is not self.tables:  # the store's tables were rebuilt (a put or free)
             self.tables = tables
             s = self.step
