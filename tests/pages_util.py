@@ -3,9 +3,10 @@ tests/core)."""
 
 import torch
 
+from vllm_shadowkv.backend.exact_attention import write_exact
 from vllm_shadowkv.backend.layout import PageLayout
 from vllm_shadowkv.core.rope import RopeCache
-from vllm_shadowkv.methods.base import KVShapes, LayerContext
+from vllm_shadowkv.methods.base import KVShapes, LayerContext, RequestRows
 from vllm_shadowkv.methods.shadowkv import ShadowKVMethod, ShadowKVSettings
 
 SETTINGS = ShadowKVSettings(rank=64, sparse_budget=64, outlier_chunks=4, local_window=16,
@@ -36,3 +37,20 @@ def rope_for(d=32, max_pos=4096):
     inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
     freqs = torch.outer(torch.arange(max_pos).float(), inv)
     return RopeCache(torch.cat([freqs.cos(), freqs.sin()], dim=-1), d, True)
+
+
+def write_step(cache, layout, prompts, blocks, kv, seq, rows):
+    """One decode step of a ragged batch: each request's ``rows[r]`` new tokens (from ``kv[r]``,
+    after its ``seq[r]``) written into its pages. -> its RequestRows, and the step's keys and
+    values, request-major."""
+    reqs, at = [], 0
+    for r, n in rows.items():
+        k, v = kv[r]
+        positions = torch.arange(seq[r], seq[r] + n)
+        write_exact(cache, layout, *layout.exact_token_slots(prompts[r], blocks[r], positions),
+                    k[positions], v[positions])
+        reqs.append(RequestRows(r, prompts[r], seq[r] + n, at, at + n, blocks[r]))
+        at += n
+    key = torch.cat([kv[r][0][seq[r]: seq[r] + n] for r, n in rows.items()])
+    value = torch.cat([kv[r][1][seq[r]: seq[r] + n] for r, n in rows.items()])
+    return reqs, key, value

@@ -15,7 +15,7 @@ from vllm_shadowkv.methods.base import RequestRows
 from vllm_shadowkv.methods.shadowkv.method import ShadowKVMethod
 from vllm_shadowkv.store import CpuValueStore
 
-from pages_util import SETTINGS, context, make_layout, rope_for
+from pages_util import SETTINGS, context, make_layout, rope_for, write_step
 
 pytestmark = pytest.mark.skipif(native.library() is None, reason="no C compiler")
 
@@ -61,18 +61,8 @@ def _run(dtype, layout, prompts, steps):
     for step in range(steps):
         live = [r for r in prompts if not (r == "b" and step >= 2)]
         rows = {r: 2 if r == "c" else 1 for r in live}
-        reqs, at = [], 0
-        for r in live:
-            new, (k, v) = seq[r] + rows[r], kv[r]
-            positions = torch.arange(seq[r], new)
-            write_exact(cache, layout, *layout.exact_token_slots(prompts[r], blocks[r],
-                                                                 positions),
-                        k[positions], v[positions])
-            reqs.append(RequestRows(r, prompts[r], new, at, at + rows[r], blocks[r]))
-            at += rows[r]
-        query = torch.randn(at, hq, d, generator=gq).to(dtype)
-        key = torch.cat([kv[r][0][seq[r]: seq[r] + rows[r]] for r in live])
-        value = torch.cat([kv[r][1][seq[r]: seq[r] + rows[r]] for r in live])
+        reqs, key, value = write_step(cache, layout, prompts, blocks, kv, seq, rows)
+        query = torch.randn(sum(rows.values()), hq, d, generator=gq).to(dtype)
         out = torch.zeros_like(query)
         method.decode(ctx, reqs, query, key, value, out)
         ran |= any(plan.cpu_steps for plan in method._batch_plans.values())

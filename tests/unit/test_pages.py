@@ -16,7 +16,7 @@ from vllm_shadowkv.core.store import InMemoryValueStore
 from vllm_shadowkv.methods.base import KVShapes, RequestRows
 from vllm_shadowkv.methods.shadowkv import ShadowKVMethod, ShadowKVSettings
 
-from pages_util import SETTINGS, context, make_layout, pages_for, rope_for
+from pages_util import SETTINGS, context, make_layout, pages_for, rope_for, write_step
 
 
 def test_llama8b_shapes_compress_7x_per_token():
@@ -158,19 +158,8 @@ def test_batched_decode_equals_each_request_alone(block_size, rank):
         rows = {r: 2 if r == "c" else 1 for r in live}
         q = {r: torch.randn(n, hq, d, generator=gq) for r, n in rows.items()}
         for mode, (pages, store, ctx, outs) in runs.items():
-            reqs, at = [], 0
-            for r in live:
-                new = seq[r] + rows[r]
-                k, v = kv[r]
-                positions = torch.arange(seq[r], new)
-                write_exact(pages, layout, *layout.exact_token_slots(prompts[r], blocks[r],
-                                                                     positions),
-                            k[positions], v[positions])
-                reqs.append(RequestRows(r, prompts[r], new, at, at + rows[r], blocks[r]))
-                at += rows[r]
+            reqs, key, value = write_step(pages, layout, prompts, blocks, kv, seq, rows)
             query = torch.cat([q[r] for r in live])
-            key = torch.cat([kv[r][0][seq[r]: seq[r] + rows[r]] for r in live])
-            value = torch.cat([kv[r][1][seq[r]: seq[r] + rows[r]] for r in live])
             out = torch.zeros_like(query)
             groups = [reqs] if mode == "batched" else [[req] for req in reqs]
             for group in groups:
