@@ -27,16 +27,17 @@ from vllm_shadowkv.core.rope import RopeCache
 
 H_KV, H_Q, D, RANK, CHUNK = 8, 32, 128, 160, 8
 PAGE_ROWS, PAGE_LANDMARKS = 36, 16  # rows of H_KV x D per page of 128 tokens, landmark rows
-FLUSH = torch.zeros(0)  # --cold: twice the last-level cache, written before each timed call
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
-def _best_ms(fn, reps: int, cold: bool = False) -> float:
+def _best_ms(fn, reps: int, flush: torch.Tensor | None = None) -> float:
+    """Best of ``reps`` calls; with ``flush`` (--cold) that buffer written before each, as the
+    engine's weights sweep the caches between two layers' steps."""
     fn()
     times = []
     for _ in range(reps):
-        if cold:  # what the engine's weights do between two layers' steps
-            FLUSH.add_(1)
+        if flush is not None:
+            flush.add_(1)
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
@@ -44,7 +45,7 @@ def _best_ms(fn, reps: int, cold: bool = False) -> float:
 
 
 def measure(context: int, batch: int, budget: int, dtype: torch.dtype, reps: int,
-            cold: bool = False) -> dict:
+            flush: torch.Tensor | None = None) -> dict:
     chunks, k = context // CHUNK, budget // CHUNK
     # A rows in a shuffled order: the selected chunks' rows are scattered over the pages.
     a = torch.randn(batch * context, RANK).to(dtype)
@@ -61,7 +62,7 @@ def measure(context: int, batch: int, budget: int, dtype: torch.dtype, reps: int
     keys = torch.zeros(batch, H_KV, k * CHUNK, D, dtype=dtype)
     args = (a, a_rows, a_positions, starts * context, b, slot_chunks, miss_slots, miss_count,
             rope, keys)
-    rebuild_c = _best_ms(lambda: native.rebuild_keys(*args), reps, cold)
+    rebuild_c = _best_ms(lambda: native.rebuild_keys(*args), reps, flush)
     rebuild_torch = _best_ms(lambda: reconstruct.rebuild_keys(*args), max(1, reps // 4))
     want = keys.clone()
     reconstruct.rebuild_keys(*args[:-1], want)
@@ -77,7 +78,7 @@ def measure(context: int, batch: int, budget: int, dtype: torch.dtype, reps: int
     q = torch.randn(batch, 1, H_Q, D).to(dtype)
     counts = torch.full((batch,), chunks, dtype=torch.int32)
     lm = (q, landmarks, lm_rows, starts * chunks, counts, chunks, D ** -0.5)
-    scores_c = _best_ms(lambda: native.landmark_scores(*lm), reps, cold)
+    scores_c = _best_ms(lambda: native.landmark_scores(*lm), reps, flush)
     scores_torch = _best_ms(lambda: select.landmark_scores(*lm), max(1, reps // 4))
     scores_err = (native.landmark_scores(*lm) - select.landmark_scores(*lm)).abs().max().item()
     return {"context": context, "batch": batch, "keys_rebuilt": batch * H_KV * k * CHUNK,
@@ -120,14 +121,12 @@ def main() -> None:
     if native.library() is None:
         raise SystemExit("bench_sparse_kernels: the C kernels are not built (no C compiler?)")
     torch.manual_seed(0)
-    if args.cold:
-        global FLUSH
-        FLUSH = torch.zeros(_last_level_cache() // 2)  # fp32: twice the cache's bytes
+    flush = torch.zeros(_last_level_cache() // 2) if args.cold else None  # fp32: twice its bytes
     cases = [(c, b) for c in args.contexts for b in args.batches]
     rows = []
     for context, batch in tqdm(cases, desc="sparse kernels", unit="case"):
         budget = max(CHUNK, round(args.budget * context / CHUNK) * CHUNK)
-        rows.append(measure(context, batch, budget, DTYPES[args.dtype], args.reps, args.cold))
+        rows.append(measure(context, batch, budget, DTYPES[args.dtype], args.reps, flush))
     print(f"{'context':>8} {'batch':>5} {'keys':>6} {'rebuild C ms':>12} {'torch ms':>9} "
           f"{'landmarks':>9} {'scores C ms':>11} {'torch ms':>9} {'GB/s':>5}")
     for r in rows:

@@ -202,6 +202,13 @@ def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t.to(dtype).contiguous()
 
 
+def logits_ld(max_count: int) -> int:
+    """The landmark pass's logit rows in its scratch: padded off a multiple of 4 KiB, since each
+    landmark's dots go to every row, and rows that far apart share the same few L1 sets (2.5x
+    slower at 4,096 landmarks)."""
+    return -(-max_count // 16) * 16 + 16
+
+
 def landmark_scores(q, landmarks, lm_rows, lm_start, lm_count, max_count, scale):
     """select.landmark_scores in one C call for the whole batch (``csrc/landmark_scores.c``).
     Takes what ``supports_scores`` accepts."""
@@ -214,14 +221,11 @@ def landmark_scores(q, landmarks, lm_rows, lm_start, lm_count, max_count, scale)
     if landmarks.stride(-1) != 1:  # the kernel reads a head's row as one run: copy them out
         landmarks, lm_rows = landmarks[lm_rows].contiguous(), torch.arange(lm_rows.numel())
     rows, starts, counts = _int64(lm_rows), _int32(lm_start), _int32(lm_count)
-    # Logit rows of the scratch padded off a multiple of 4 KiB: each landmark's dots go to every
-    # row, and rows that far apart share the same few L1 sets (2.5x slower at 4,096 landmarks).
-    ld = -(-max_count // 16) * 16 + 16
     row_stride, head_stride, _ = landmarks.stride()
     failed = library().landmark_scores(
         q.data_ptr(), DTYPES[q.dtype], landmarks.data_ptr(), DTYPES[landmarks.dtype],
         row_stride, head_stride, rows.data_ptr(), starts.data_ptr(), counts.data_ptr(), batch,
-        s_q, h_q, h_kv, head_dim, max_count, scale, out.data_ptr(), ld)
+        s_q, h_q, h_kv, head_dim, max_count, scale, out.data_ptr(), logits_ld(max_count))
     if failed == 2:
         raise MemoryError("landmark_scores: scratch allocation failed")
     assert not failed, "outside supports_scores()"

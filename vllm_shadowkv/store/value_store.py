@@ -239,17 +239,12 @@ class CpuValueStore:
                              f"row {int(chunks[i])}")
         return per_row
 
-    def gather_tables(self, keys: tuple[Hashable, ...], out: torch.Tensor,
-                      split: int) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]] | None:
-        """For a kernel that gathers the keys' rows itself (``native.SparseStep``) into rows of
-        ``out``, each stored row ``split`` of them: the pool (the first extent) and the keys'
-        page tables (``_tables``); None where ``gather_many``'s C path would not run (no
-        kernels, another device or dtype) or a key is not stored."""
-        row_numel = math.prod(self.row_shape)
-        if not (self._extents and all(key in self._entries for key in keys)
-                and ops.compiled_cpu(out) and len(out) and out[0].numel() * split == row_numel
-                and out.dtype in native.DTYPES and self.dtype in native.DTYPES
-                and out[0].is_contiguous() and native.library() is not None):
+    def gather_tables(self, keys: tuple[Hashable, ...]
+                      ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]] | None:
+        """For a kernel that gathers the keys' rows itself (``native.SparseStep``, where
+        ``native.supports_store_gather`` takes its rows): the pool (the first extent) and the
+        keys' page tables (``_tables``); None where a key is not stored."""
+        if not (self._extents and all(key in self._entries for key in keys)):
             return None
         return self._extents[0], self._tables(keys)
 

@@ -30,7 +30,6 @@ class CpuStep:
     step: native.SparseStep
     keep: tuple  # every tensor the step points into
     keys: tuple[Hashable, ...]
-    rows: torch.Tensor  # the layer cache as rows [N, d]
     misses: torch.Tensor  # [B] int64, set by each step
     out: torch.Tensor  # [B, s_q, h_q, d]
     lse: torch.Tensor
@@ -43,12 +42,14 @@ class CpuStep:
         params, shapes = pages.settings.params, pages.shapes
         h, d, k, c = shapes.num_kv_heads, shapes.head_size, params.select_chunks, params.chunk_size
         rows = kv_cache.view(-1, d)
-        if not (pages.slots_in_place and params.selection == "landmarks" and plan.max_landmarks
-                and isinstance(store, CpuValueStore) and kv_cache.dtype in native.DTYPES
+        found = store.gather_tables(keys) if isinstance(store, CpuValueStore) else None
+        if not (found and pages.slots_in_place and params.selection == "landmarks"
+                and plan.max_landmarks and kv_cache.dtype in native.DTYPES
                 and rope.cos_sin_cache.dtype in native.DTYPES
                 and d <= native.MAX_HEAD_DIM and rope.rotary_dim <= native.MAX_HEAD_DIM
-                and s_q * h_q <= native.MAX_QUERY_ROWS and native.library() is not None
-                and store.gather_tables(keys, rows, c) is not None):
+                and s_q * h_q <= native.MAX_QUERY_ROWS
+                and native.supports_store_gather(rows, plan.slot_v_rows.reshape(-1, c), found[0],
+                                                 c * d)):
             return None
         batch, scratch = len(keys), plan.cpu_scratch
         if not scratch:  # shared by the layers of the batch (they run one after another)
@@ -60,55 +61,49 @@ class CpuStep:
                 misses=torch.empty(batch, dtype=torch.int64),
                 value_rows=torch.empty(batch * h * k * c, dtype=torch.int64))
         _, landmark_chunks = pages.chunk_ids(kv_cache, plan)
-        cos_sin = rope.cos_sin_cache.contiguous()
-        longs = [t.contiguous() for t in (
-            plan.landmark_rows, plan.a_rows, plan.b.flatten(), plan.slot_chunks.flatten(),
-            plan.slot_k_rows, plan.slot_v_rows, plan.exact_len)]
-        ints = [t.to(torch.int32).contiguous() for t in (
-            plan.lm_start, plan.lm_count, landmark_chunks, plan.a_positions, plan.a_start)]
-        out = torch.empty(batch, s_q, h_q, d, dtype=kv_cache.dtype)
-        lse = torch.empty(batch, s_q, h_q, dtype=torch.float32)
-        ptr = [t.data_ptr() for t in longs + ints]
+        tables = {name: t.contiguous() for name, t in (
+            ("landmark_rows", plan.landmark_rows), ("a_rows", plan.a_rows),
+            ("b_offsets", plan.b.flatten()), ("slot_ids", plan.slot_chunks.flatten()),
+            ("slot_k_rows", plan.slot_k_rows), ("slot_v_rows", plan.slot_v_rows),
+            ("exact_len", plan.exact_len), ("cos_sin", rope.cos_sin_cache))}
+        tables.update((name, t.to(torch.int32).contiguous()) for name, t in (
+            ("lm_start", plan.lm_start), ("lm_count", plan.lm_count),
+            ("landmark_chunks", landmark_chunks), ("a_positions", plan.a_positions),
+            ("a_start", plan.a_start)))
         slot_chunks, miss_slots, miss_count = scratch["ints"]
         heads, chunks, filled = scratch["longs"]
+        buffers = dict(
+            scores=scratch["scores"], b=scratch["b"], misses=scratch["misses"],
+            value_rows=scratch["value_rows"], slot_chunks=slot_chunks, miss_slots=miss_slots,
+            miss_count=miss_count, heads=heads, chunks=chunks, filled=filled,
+            out=torch.empty(batch, s_q, h_q, d, dtype=kv_cache.dtype),
+            lse=torch.empty(batch, s_q, h_q, dtype=torch.float32))
         step = native.SparseStep(
             pages=kv_cache.data_ptr(), dtype=native.DTYPES[kv_cache.dtype], num_rows=len(rows),
             batch=batch, s_q=s_q, h_q=h_q, h_kv=h, d=d, rank=params.rank, k=k, chunk=c,
             landmark_scale=1.0 / math.sqrt(d), q_dtype=native.DTYPES[kv_cache.dtype],
-            out=out.data_ptr(), lse=lse.data_ptr(),
-            landmark_rows=ptr[0], lm_start=ptr[7], lm_count=ptr[8], landmark_chunks=ptr[9],
-            max_landmarks=plan.max_landmarks,
-            # the landmark pass's logit rows, padded off a multiple of 4 KiB (native.py)
-            logits_ld=-(-plan.max_landmarks // 16) * 16 + 16,
-            scores=scratch["scores"].data_ptr(), a_rows=ptr[1], a_positions=ptr[10],
-            a_start=ptr[11], b_offsets=ptr[2], b=scratch["b"].data_ptr(),
-            cos_sin=cos_sin.data_ptr(), cos_sin_dtype=native.DTYPES[cos_sin.dtype],
-            rotary_dim=rope.rotary_dim, neox=int(rope.is_neox_style), slot_ids=ptr[3],
-            slot_chunks=slot_chunks.data_ptr(), miss_slots=miss_slots.data_ptr(),
-            miss_count=miss_count.data_ptr(), slot_k_rows=ptr[4], slot_v_rows=ptr[5],
-            heads=heads.data_ptr(), chunks=chunks.data_ptr(), filled=filled.data_ptr(),
-            misses=scratch["misses"].data_ptr(), value_rows=scratch["value_rows"].data_ptr(),
-            exact_width=plan.exact_k.shape[-1], exact_len=ptr[6],
-            page_rows=store.page_rows, row_numel=c * d)
-        return cls(step, (kv_cache, cos_sin, *longs, *ints, *scratch.values()), keys, rows,
-                   scratch["misses"], out, lse)
+            max_landmarks=plan.max_landmarks, logits_ld=native.logits_ld(plan.max_landmarks),
+            cos_sin_dtype=native.DTYPES[rope.cos_sin_cache.dtype], rotary_dim=rope.rotary_dim,
+            neox=int(rope.is_neox_style), exact_width=plan.exact_k.shape[-1],
+            page_rows=store.page_rows, row_numel=c * d,
+            **{name: t.data_ptr() for name, t in (tables | buffers).items()})
+        return cls(step, (kv_cache, *tables.values(), *buffers.values()), keys,
+                   buffers["misses"], buffers["out"], buffers["lse"])
 
     def run(self, store: CpuValueStore, q: torch.Tensor, k_rows: torch.Tensor,
             v_rows: torch.Tensor, gen_before: torch.Tensor, scale: float) -> list[int]:
         """One step: q [B, s_q, h_q, d] contiguous of the cache's dtype; k_rows/v_rows
         [B, h, width] int64 (exact region, slots, generated tokens); gen_before [B] int64. The
         output lands in ``out`` and ``lse``; -> the missed chunks of each request."""
-        found = store.gather_tables(self.keys, self.rows, self.step.chunk)
+        found = store.gather_tables(self.keys)
         if found is None:  # the batch's plan outlived a request's rows (release drops both)
             raise RuntimeError(f"value store: a request of the batch {self.keys} has no rows")
-        pool, tables = found
+        (pool, tables), s = found, self.step
         if tables is not self.tables:  # the store's tables were rebuilt (a put or free)
             self.tables = tables
-            s = self.step
             s.pool, s.pool_dtype = pool.data_ptr(), native.DTYPES[pool.dtype]
             s.page_offsets, s.first_page, s.num_heads, s.num_rows_stored = (
                 t.data_ptr() for t in tables)
-        s = self.step
         s.q, s.k_rows, s.v_rows, s.gen_before = (
             q.data_ptr(), k_rows.data_ptr(), v_rows.data_ptr(), gen_before.data_ptr())
         s.width, s.scale = k_rows.shape[-1], scale

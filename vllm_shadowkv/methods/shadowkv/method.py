@@ -115,9 +115,10 @@ class ShadowKVMethod(KVMethod):
         batch, outliers = self.pages.load_batch(layer.kv_cache, plan, layer.rope, generated,
                                                 step.gen_len, max(step.counts))
         batch.store_keys = [(r.req_id, layer.index) for r in reqs]
+        q = query[step.rows].unflatten(0, (n, s_q))
         # In place the step's K/V are read from their pages: only the queries are gathered.
-        q, k, v = (t[step.rows].unflatten(0, (n, s_q)) if t is query or not in_place else None
-                   for t in (query, key, value))
+        k, v = (None, None) if in_place else (t[step.rows].unflatten(0, (n, s_q))
+                                              for t in (key, value))
         result, _ = decode_step(batch, q, k, v, layer.store, layer.scale)
         out[step.rows] = result.flatten(0, 1)
         self.pages.store_slots(layer.kv_cache, plan, batch)
