@@ -147,6 +147,11 @@ def library() -> ctypes.CDLL | None:
     lib.kernel_threads.argtypes = []
     lib.copy_rows.restype = None
     lib.copy_rows.argtypes = [_ptr, _i32, _i64, _ptr, _i64, _ptr, _i32, _i64, _ptr, _i64]
+    lib.prefill_attention_built.restype = ctypes.c_int
+    lib.prefill_attention_built.argtypes = []
+    lib.prefill_attention.restype = ctypes.c_int
+    lib.prefill_attention.argtypes = [_ptr, _i64, _ptr, _i64, _ptr, _i64, _i32, _i32, _i32, _i32,
+                                      _i32, ctypes.c_float, _ptr, _ptr]
     lib.sparse_step.restype = ctypes.c_int64
     lib.sparse_step.argtypes = [ctypes.POINTER(SparseStep)]
     return lib
@@ -358,6 +363,45 @@ def supports_decode_attention(q: torch.Tensor, s_q: int, rows: torch.Tensor) -> 
     return (q.device.type == rows.device.type == "cpu" and q.dtype in DTYPES
             and rows.dtype in DTYPES and rows.stride(-1) == 1 and head_dim <= MAX_HEAD_DIM
             and s_q * h_q <= MAX_QUERY_ROWS and library() is not None)
+
+
+def prefill_attention(query, key, value, scale):
+    """attention.attention_with_lse_reference's causal attention in one C call
+    (``csrc/prefill_attention.c``): query ``[q, Hq, d]``, key and value ``[s, Hkv, d]`` (s >= q;
+    query token i at position s - q + i) -> (out ``[q, Hq, d]``, lse ``[Hq, q]`` fp32), for
+    what ``supports_prefill_attention`` accepts."""
+    q_len, h_q, head_dim = query.shape
+    s_len, h_kv, _ = key.shape
+    query = _heads_packed(query)
+    key, value = _heads_packed(key), _heads_packed(value)
+    out = torch.empty(q_len, h_q, head_dim, dtype=query.dtype)
+    lse = torch.empty(h_q, q_len, dtype=torch.float32)
+    failed = library().prefill_attention(
+        query.data_ptr(), query.stride(0), key.data_ptr(), key.stride(0), value.data_ptr(),
+        value.stride(0), q_len, s_len, h_q, h_kv, head_dim, scale, out.data_ptr(),
+        lse.data_ptr())
+    if failed == 2:
+        raise MemoryError("prefill_attention: scratch allocation failed")
+    assert not failed, "outside supports_prefill_attention()"
+    return out, lse
+
+
+def _heads_packed(t: torch.Tensor) -> torch.Tensor:
+    """``t`` [n, h, d] with each token's heads one run (any token stride): itself where so."""
+    return t if t.stride(2) == 1 and t.stride(1) == t.shape[2] else t.contiguous()
+
+
+def supports_prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+                               ) -> bool:
+    """Whether ``prefill_attention`` here takes these: bf16 CPU tensors, a head dimension a
+    multiple of 16 up to 512, at most 16 query heads per KV head, at least as many keys as
+    queries, and the library built for a CPU with AVX512-BF16."""
+    (q_len, h_q, head_dim), (s_len, h_kv, _) = query.shape, key.shape
+    return (query.device.type == key.device.type == value.device.type == "cpu"
+            and query.dtype == key.dtype == value.dtype == torch.bfloat16
+            and head_dim % 16 == 0 and head_dim <= MAX_HEAD_DIM and h_q % h_kv == 0
+            and h_q // h_kv <= 16 and s_len >= q_len > 0 and library() is not None
+            and library().prefill_attention_built() == 1)
 
 
 def quant_attention(q, groups, group_table, group_count, fmt, scale, logits_row=None,

@@ -1,0 +1,244 @@
+/* Causal attention of a prompt chunk over its whole context (prefill and each later chunk of a
+ * chunked prefill), flash-attention style, for bf16 inputs; the torch reference is
+ * attention.attention_with_lse_reference (through native.prefill_attention's test).
+ *
+ * Why not vLLM's CPU kernel, which the exact attention called before: without AMX tiles it
+ * converts its bf16 inputs to fp32 and multiplies with fp32 FMAs, half the rate of the
+ * AVX512-BF16 dot product, which here does both products: S = Q K^T and O += P V, with P
+ * rounded to bf16 as FlashAttention rounds it to 16 bits, fp32 sums and softmax.
+ *
+ * A work item is one KV head and a block of TOKENS query tokens: its rows are the tokens x the
+ * group's query heads (each key block read once for all of them). K and V are first packed per
+ * KV head into the dot product's pair layout (once per call: O(s d), against the O(s q d) of
+ * the products). Query token t sits at position s_len - q_len + t and sees the keys up to it. */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cpu.h"
+
+#define TOKENS 16   /* query tokens per work item */
+#define KEYS 64     /* keys per online-softmax block */
+#define ROW_TILE 8  /* query rows per S micro-tile (8 x 32 keys: 16 accumulators) */
+#define MAX_GROUP 16
+#define NONE (-1e30f)
+
+/* 1 where this build has the kernel (AVX512-BF16); native.supports_prefill_attention asks. */
+int prefill_attention_built(void) {
+#if defined(__AVX512BF16__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+#if defined(__AVX512BF16__)
+/* 2^t: 2^n x 2^f with n = round(t), f in [-1/2, 1/2], 2^f by its Taylor polynomial of degree 6
+ * (relative error below 2e-7); t clamped at -126, no denormals. */
+static inline __m512 exp2_ps(__m512 t) {
+    t = _mm512_max_ps(t, _mm512_set1_ps(-126.f));
+    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(t, n);
+    __m512 p = _mm512_set1_ps(1.5403530e-4f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* One KV head's K as [s_pad / 16][d / 2][16 keys][2] (S's right operand: a pair of channels of
+ * 16 keys per vector) and V as [s_pad / 2][d][2] (PV's: a pair of keys of 16 channels); zero
+ * past s_len. Rows are int32 pairs of bf16. */
+static void pack_head(const uint16_t *k, const uint16_t *v, int64_t k_stride, int64_t v_stride,
+                      int s_len, int d, uint32_t *kp, uint32_t *vp, int key0, int key1) {
+    const int pairs = d / 2;
+    for (int key = key0; key < key1; key++) {
+        const int in = key < s_len;
+        const uint32_t *kr = (const uint32_t *)(k + (int64_t)key * k_stride);
+        uint32_t *kd = kp + (int64_t)(key / 16) * pairs * 16 + key % 16;
+        for (int p = 0; p < pairs; p++) kd[p * 16] = in ? kr[p] : 0;
+        const uint16_t *vr = v + (int64_t)key * v_stride;
+        uint16_t *vd = (uint16_t *)(vp + (int64_t)(key / 2) * d) + key % 2;
+        for (int x = 0; x < d; x++) vd[2 * x] = in ? vr[x] : 0;
+    }
+}
+
+/* s[r][0, 32) = rows r0..r0+7 of q (bf16 rows of d) . the 32 keys of kp's groups kg, kg + 1. */
+static inline void s_tile(const uint16_t *q, int d, const uint32_t *kp, float *s, int ld) {
+    const int pairs = d / 2;
+    __m512 acc[ROW_TILE][2];
+    for (int r = 0; r < ROW_TILE; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    const uint32_t *k0 = kp, *k1 = kp + pairs * 16;
+    for (int p = 0; p < pairs; p++) {
+        const __m512bh b0 = (__m512bh)_mm512_loadu_si512(k0 + p * 16);
+        const __m512bh b1 = (__m512bh)_mm512_loadu_si512(k1 + p * 16);
+        for (int r = 0; r < ROW_TILE; r++) {
+            const __m512bh a =
+                (__m512bh)_mm512_set1_epi32(((const int32_t *)(q + (int64_t)r * d))[p]);
+            acc[r][0] = _mm512_dpbf16_ps(acc[r][0], a, b0);
+            acc[r][1] = _mm512_dpbf16_ps(acc[r][1], a, b1);
+        }
+    }
+    for (int r = 0; r < ROW_TILE; r++) {
+        _mm512_storeu_ps(s + r * ld, acc[r][0]);
+        _mm512_storeu_ps(s + r * ld + 16, acc[r][1]);
+    }
+}
+
+/* o[r][x0, x0 + 16 nv) += p[r] . v over the block's KEYS keys, rows r0..r0+3; nv constant where
+ * inlined. p: bf16 rows of KEYS; vp: the block's [KEYS / 2][d][2]. */
+static inline __attribute__((always_inline)) void pv_tile(const uint16_t *p, const uint32_t *vp,
+                                                          float *o, int d, int x0, const int nv) {
+    __m512 acc[4][4];
+    for (int r = 0; r < 4; r++)
+        for (int v = 0; v < nv; v++) acc[r][v] = _mm512_loadu_ps(o + r * d + x0 + 16 * v);
+    for (int pair = 0; pair < KEYS / 2; pair++) {
+        __m512bh b[4];
+        for (int v = 0; v < nv; v++)
+            b[v] = (__m512bh)_mm512_loadu_si512(vp + (int64_t)pair * d + x0 + 16 * v);
+        for (int r = 0; r < 4; r++) {
+            const __m512bh a =
+                (__m512bh)_mm512_set1_epi32(((const int32_t *)(p + r * KEYS))[pair]);
+            for (int v = 0; v < nv; v++) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], a, b[v]);
+        }
+    }
+    for (int r = 0; r < 4; r++)
+        for (int v = 0; v < nv; v++) _mm512_storeu_ps(o + r * d + x0 + 16 * v, acc[r][v]);
+}
+
+static void pv_rows(const uint16_t *p, const uint32_t *vp, float *o, int d) {
+    int x0 = 0;
+    for (; x0 + 64 <= d; x0 += 64) pv_tile(p, vp, o, d, x0, 4);
+    switch ((d - x0) / 16) {
+    case 3: pv_tile(p, vp, o, d, x0, 3); break;
+    case 2: pv_tile(p, vp, o, d, x0, 2); break;
+    case 1: pv_tile(p, vp, o, d, x0, 1); break;
+    }
+}
+
+/* The block's softmax step of one row: its scores sr (KEYS, the first `limit` visible) in
+ * log2 units (times c), the row's max *m and sum *l updated, its weights as bf16 into pr, and
+ * its output row o rescaled. */
+static inline void softmax_row(const float *sr, int limit, float c, float *m, float *l,
+                               uint16_t *pr, float *o, int d) {
+    __m512 x[KEYS / 16];
+    __mmask16 valid[KEYS / 16];
+    __m512 top = _mm512_set1_ps(NONE);
+    for (int v = 0; v < KEYS / 16; v++) {
+        const int left = limit - 16 * v;
+        valid[v] = left >= 16 ? 0xFFFF : left > 0 ? (__mmask16)((1u << left) - 1) : 0;
+        x[v] = _mm512_mul_ps(_mm512_loadu_ps(sr + 16 * v), _mm512_set1_ps(c));
+        top = _mm512_mask_max_ps(top, valid[v], top, x[v]);
+    }
+    const float block_max = _mm512_reduce_max_ps(top);
+    const float new_max = block_max > *m ? block_max : *m;
+    const float rescale = exp2f(*m - new_max);
+    __m512 sum = _mm512_setzero_ps();
+    for (int v = 0; v < KEYS / 16; v++) {
+        const __m512 w = _mm512_maskz_mov_ps(
+            valid[v], exp2_ps(_mm512_sub_ps(x[v], _mm512_set1_ps(new_max))));
+        sum = _mm512_add_ps(sum, w);
+        _mm256_storeu_si256((__m256i *)(pr + 16 * v), (__m256i)_mm512_cvtneps_pbh(w));
+    }
+    *l = *l * rescale + _mm512_reduce_add_ps(sum);
+    *m = new_max;
+    if (rescale != 1.f)
+        for (int x0 = 0; x0 < d; x0 += 16)
+            _mm512_storeu_ps(o + x0, _mm512_mul_ps(_mm512_loadu_ps(o + x0),
+                                                   _mm512_set1_ps(rescale)));
+}
+#endif
+
+/* q: [q_len, h_q, d] (token stride q_stride, heads d apart); k, v: [s_len, h_kv, d] (token
+ * strides k_stride, v_stride, heads d apart); all bf16, s_len >= q_len. out: [q_len, h_q, d]
+ * bf16 contiguous; lse: fp32 [h_q, q_len] (natural log). Returns 0; 1 where this build lacks
+ * the kernel, d is not a multiple of 16 up to MAX_HEAD_DIM or the group is over MAX_GROUP; 2 if a
+ * scratch allocation failed. */
+int prefill_attention(const uint16_t *q, int64_t q_stride, const uint16_t *k, int64_t k_stride,
+                      const uint16_t *v, int64_t v_stride, int q_len, int s_len, int h_q,
+                      int h_kv, int d, float scale, uint16_t *out, float *lse) {
+#if defined(__AVX512BF16__)
+    const int g = h_q / h_kv;
+    if (d % 16 || d > MAX_HEAD_DIM || g > MAX_GROUP || h_q % h_kv || s_len < q_len) return 1;
+    const int s_pad = (s_len + KEYS - 1) / KEYS * KEYS, key_blocks = s_pad / KEYS;
+    const int64_t head_words = (int64_t)s_pad * d / 2; /* a head's packed K (or V), in pairs */
+    uint32_t *kp = malloc(sizeof(uint32_t) * head_words * h_kv),
+             *vp = malloc(sizeof(uint32_t) * head_words * h_kv);
+    if (!kp || !vp) return free(kp), free(vp), 2;
+#pragma omp parallel for schedule(static) if (s_len >= 1024)
+    for (int64_t hb = 0; hb < (int64_t)h_kv * key_blocks; hb++) {
+        const int h = (int)(hb / key_blocks), key0 = (int)(hb % key_blocks) * KEYS;
+        pack_head(k + (int64_t)h * d, v + (int64_t)h * d, k_stride, v_stride, s_len, d,
+                  kp + h * head_words, vp + h * head_words, key0, key0 + KEYS);
+    }
+    const int rows = TOKENS * g, rows_pad = (rows + ROW_TILE - 1) / ROW_TILE * ROW_TILE;
+    const int token_blocks = (q_len + TOKENS - 1) / TOKENS, offset = s_len - q_len;
+    const float c = scale * 1.44269504f; /* scores in log2 units: exp2 of their differences */
+    int status = 0;
+#pragma omp parallel reduction(| : status) if ((int64_t)h_kv * token_blocks > 1)
+    {
+        uint16_t *qb = aligned_alloc(64, sizeof(uint16_t) * rows_pad * d),
+                 *pb = aligned_alloc(64, sizeof(uint16_t) * rows_pad * KEYS);
+        float *sb = aligned_alloc(64, sizeof(float) * rows_pad * KEYS),
+              *ob = aligned_alloc(64, sizeof(float) * rows_pad * d),
+              *m = malloc(sizeof(float) * rows_pad), *l = malloc(sizeof(float) * rows_pad);
+        status = !(qb && pb && sb && ob && m && l);
+        if (qb) memset(qb, 0, sizeof(uint16_t) * rows_pad * d); /* padding rows stay zero */
+        /* the last token blocks see the most keys: handed out first */
+#pragma omp for schedule(dynamic)
+        for (int64_t item = 0; item < (int64_t)h_kv * token_blocks; item++) {
+            if (status) continue;
+            const int h = (int)(item % h_kv), t0 = (token_blocks - 1 - (int)(item / h_kv)) * TOKENS;
+            const int tokens = q_len - t0 < TOKENS ? q_len - t0 : TOKENS, valid = tokens * g;
+            for (int r = 0; r < valid; r++) /* row r: token t0 + r / g, query head h g + r % g */
+                memcpy(qb + (int64_t)r * d,
+                       q + (int64_t)(t0 + r / g) * q_stride + (int64_t)(h * g + r % g) * d,
+                       sizeof(uint16_t) * d);
+            for (int r = valid; r < rows_pad; r++) memset(qb + (int64_t)r * d, 0, 2 * d);
+            for (int r = 0; r < rows_pad; r++) m[r] = NONE, l[r] = 0.f;
+            memset(ob, 0, sizeof(float) * rows_pad * d);
+            const int last = offset + t0 + tokens - 1; /* the last key any row sees */
+            const int rows_tiles = (valid + ROW_TILE - 1) / ROW_TILE * ROW_TILE;
+            for (int kb = 0; kb * KEYS <= last; kb++) {
+                const int key0 = kb * KEYS;
+                const uint32_t *kh = kp + h * head_words + (int64_t)key0 * d / 2;
+                for (int r0 = 0; r0 < rows_tiles; r0 += ROW_TILE)
+                    for (int kg = 0; kg < KEYS / 16 && key0 + kg * 16 <= last; kg += 2)
+                        s_tile(qb + (int64_t)r0 * d, d, kh + (int64_t)kg * 16 * d / 2,
+                               sb + r0 * KEYS + kg * 16, KEYS);
+                for (int r = 0; r < rows_tiles; r++) {
+                    int limit = offset + t0 + r / g + 1 - key0; /* keys of the block it sees */
+                    if (r >= valid || limit <= 0) {
+                        memset(pb + r * KEYS, 0, sizeof(uint16_t) * KEYS);
+                        continue;
+                    }
+                    softmax_row(sb + r * KEYS, limit < KEYS ? limit : KEYS, c, m + r, l + r,
+                                pb + r * KEYS, ob + (int64_t)r * d, d);
+                }
+                const uint32_t *vh = vp + h * head_words + (int64_t)key0 * d / 2;
+                for (int r0 = 0; r0 < rows_tiles; r0 += 4)
+                    pv_rows(pb + r0 * KEYS, vh, ob + (int64_t)r0 * d, d);
+            }
+            for (int r = 0; r < valid; r++) {
+                const int t = t0 + r / g, head = h * g + r % g;
+                const float inv = 1.f / l[r];
+                float *o = ob + (int64_t)r * d;
+                for (int x = 0; x < d; x++) o[x] *= inv;
+                from_f32(o, d, BF16, out + ((int64_t)t * h_q + head) * d);
+                lse[(int64_t)head * q_len + t] = (m[r] + log2f(l[r])) * 0.69314718f;
+            }
+        }
+        free(qb), free(pb), free(sb), free(ob), free(m), free(l);
+    }
+    free(kp), free(vp);
+    return status ? 2 : 0;
+#else
+    (void)q, (void)q_stride, (void)k, (void)k_stride, (void)v, (void)v_stride, (void)q_len,
+        (void)s_len, (void)h_q, (void)h_kv, (void)d, (void)scale, (void)out, (void)lse;
+    return 1;
+#endif
+}
