@@ -19,7 +19,7 @@
 #include "cpu.h"
 
 #define TOKENS 16   /* query tokens per work item */
-#define KEYS 64     /* keys per online-softmax block */
+#define KEYS 128     /* keys per online-softmax block */
 #define ROW_TILE 8  /* query rows per S micro-tile (8 x 32 keys: 16 accumulators) */
 #define MAX_GROUP 16
 #define NONE (-1e30f)
