@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from vllm_shadowkv.core import ops
+from vllm_shadowkv.core import native, ops
 from vllm_shadowkv.core.attention import causal_attention_cpu
 
 if TYPE_CHECKING:
@@ -66,8 +66,7 @@ def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     accumulation. On CUDA FlashAttention's varlen kernel, where torch has it.
     """
     if query.device.type == "cpu":
-        out = _vllm_cpu_attention(query, key, value, scale)
-        return out if out is not None else causal_attention_cpu(query, key, value, scale)[0]
+        return _cpu_causal_attention(query, key, value, scale)[0]
     q_len, s_len = query.shape[0], key.shape[0]
     if ops.flash_varlen(query):
         cu_seq_q = torch.tensor([0, q_len], dtype=torch.int32, device=query.device)
@@ -82,6 +81,18 @@ def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
         query.transpose(0, 1)[None], key.transpose(0, 1)[None], value.transpose(0, 1)[None],
         attn_mask=mask, is_causal=1 < q_len == s_len, scale=scale, enable_gqa=True)
     return out[0].transpose(0, 1)
+
+
+def _cpu_causal_attention(query, key, value, scale) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`causal_attention` on the CPU -> (out, lse ``[Hkv, G, q]`` fp32 or None): bf16 in C on
+    AVX512-BF16 dot products (``native.prefill_attention``: 1.6-1.8x vLLM's CPU kernel, which
+    multiplies in fp32 without AMX tiles; benchmarks/RESULTS.md, "Prefill attention in C"),
+    else vLLM's own CPU kernel (no LSE), else torch's flash kernel."""
+    if ops.prefill_in_c(query, key, value):
+        out, lse = native.prefill_attention(query, key, value, scale)
+        return out, lse.unflatten(0, (key.shape[1], -1))
+    out = _vllm_cpu_attention(query, key, value, scale)
+    return (out, None) if out is not None else causal_attention_cpu(query, key, value, scale)
 
 
 _VLLM_CPU_BLOCK = 128  # a multiple of 32: every ISA of vLLM's CPU kernels takes it
@@ -154,8 +165,8 @@ def exact_attention(kv_cache, layout: PageLayout, prompt_len: int, block_ids, se
     """A request's causal attention over its exact pages -> (out, lse): lse ``[h_kv, G, q]``
     fp32 if ``with_lse`` and the kernel gives it, else None. Where the Triton kernels run
     (CUDA), one kernel reads the pages in place and gives the LSE with the output; on the CPU
-    the tokens are gathered for vLLM's kernel, which gives none (torch's flash kernel would, at
-    2.3x its time: the methods' own passes are cheaper)."""
+    the tokens are gathered for the C kernel, which gives it too (vLLM's kernel, where the C
+    one does not apply, gives none)."""
     positions = torch.arange(seq_len, device=query.device)
     if ops.uses_triton(query):
         blocks, slots = layout.exact_token_slots(prompt_len, block_ids, positions)
@@ -163,6 +174,9 @@ def exact_attention(kv_cache, layout: PageLayout, prompt_len: int, block_ids, se
                                               slots, scale)
         return out, lse if with_lse else None
     key, value = read_exact(kv_cache, layout, prompt_len, block_ids, positions)
+    if query.device.type == "cpu":
+        out, lse = _cpu_causal_attention(query, key, value, scale)
+        return out, lse if with_lse else None
     return causal_attention(query, key, value, scale), None
 
 

@@ -156,6 +156,12 @@ def rebuild_keys(a, a_rows, a_positions, a_start, b, slot_chunks, miss_slots, mi
         (_kernels("rebuild_kernels") if _use_triton(slot_k) else reconstruct).rebuild_keys(*args)
 
 
+def prefill_in_c(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
+    """Whether a CPU causal attention of ``query`` over ``key``/``value`` (a prefill chunk) runs
+    in C (``native.prefill_attention``, on AVX512-BF16 dot products)."""
+    return compiled_cpu(query) and native.supports_prefill_attention(query, key, value)
+
+
 def decode_in_place(q: torch.Tensor, s_q: int, rows: torch.Tensor) -> bool:
     """Whether ``decode_attention`` of ``s_q`` rows of ``q`` (``[.., Hq, d]``) over ``rows``
     runs in C, reading the rows in place."""
