@@ -1,9 +1,10 @@
-"""The engine's exact attention (prefill, chunked prefill, dense decode) on the CPU: 4-D SDPA
-inputs, which torch sends to its flash kernel, against the 3-D inputs the engine passed before
-(torch's math kernel, which materialises the [heads, q, s] fp32 scores). Same shapes, same run,
-reported as ratios; outputs compared.
+"""The engine's exact attention (prefill, chunked prefill) on the CPU: its C kernel
+(csrc/prefill_attention.c, AVX512-BF16 dot products for both products) against vLLM's own CPU
+kernel (``cpu_attention_with_kv_cache``, what vLLM's default CPU backend runs) on the same
+inputs, at Llama-3.1-8B and SmolLM2-135M attention shapes; whole prompts and later chunks.
+Reported as times, GFLOP/s of the causal products and ratios; outputs compared.
 
-  python benchmarks/bench_exact_attention.py --out benchmarks/exact_attention/cpu.json
+  python benchmarks/bench_exact_attention.py --out benchmarks/exact_attention/cpu_c_kernel.json
 
 With ``--device cuda``: the engine's CUDA path, the tokens gathered out of the pages and
 FlashAttention's varlen kernel with each row's LSE (backend/exact_attention.py), against the
@@ -25,29 +26,16 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from vllm_shadowkv.backend.exact_attention import causal_attention
+from vllm_shadowkv.backend.exact_attention import _vllm_cpu_attention, causal_attention
 from vllm_shadowkv.core import ops
 
-# (query tokens, context tokens): whole-prompt prefill, a later 1K chunk of a chunked prefill,
-# and one decode token; at Llama-3.1-8B shapes (32 query / 8 KV heads, head_dim 128).
-CASES = [(4096, 4096), (1024, 8192), (1, 16384)]
-H_Q, H_KV, HEAD_DIM = 32, 8, 128
+# (query tokens, context tokens): whole-prompt prefills and later 2K chunks of a chunked one
+CASES = [(4096, 4096), (8192, 8192), (16384, 16384), (2048, 16384), (2048, 32768)]
+# (query heads, KV heads, head_dim): the CPU's shapes; CUDA's are Llama-3.1-8B's
+SHAPES = {"llama-3.1-8b": (32, 8, 128), "smollm2-135m": (9, 3, 64)}
+H_Q, H_KV, HEAD_DIM = SHAPES["llama-3.1-8b"]
 CUDA_CASES = [(4096, 4096), (16384, 16384), (2048, 32768), (2048, 131072), (1, 131072)]
 BLOCK_SIZE = 128  # tokens per page
-
-
-def math_kernel(query, key, value, scale):
-    """The engine's previous call: 3-D inputs, an explicit mask for a later chunk."""
-    q_len, s_len = query.shape[0], key.shape[0]
-    mask = None
-    if 1 < q_len < s_len:
-        rows = torch.arange(s_len - q_len, s_len)[:, None]
-        mask = torch.arange(s_len)[None, :] <= rows
-    out = torch.nn.functional.scaled_dot_product_attention(
-        query.transpose(0, 1).float(), key.transpose(0, 1).float(),
-        value.transpose(0, 1).float(), attn_mask=mask, is_causal=1 < q_len == s_len,
-        scale=scale, enable_gqa=True)
-    return out.transpose(0, 1).to(query.dtype)
 
 
 def gathered_sdpa(query, kv, blocks, slots, scale):
@@ -126,18 +114,30 @@ def cuda_rows(reps: int) -> list[dict]:
     return rows
 
 
+def causal_flops(q_len: int, s_len: int, h_q: int, head_dim: int) -> float:
+    """QK^T and PV over the keys each query row sees (token i of the chunk: s - q + i + 1)."""
+    seen = q_len * (s_len - q_len) + q_len * (q_len + 1) / 2
+    return 4 * h_q * head_dim * seen
+
+
 def cpu_rows(reps: int) -> list[dict]:
     rows = []
-    for q_len, s_len in tqdm(CASES, desc="exact attention", unit="case"):
-        q = torch.randn(q_len, H_Q, HEAD_DIM, dtype=torch.bfloat16)
-        k, v = (torch.randn(s_len, H_KV, HEAD_DIM, dtype=torch.bfloat16) for _ in range(2))
-        scale = HEAD_DIM ** -0.5
+    cases = [(shape, *case) for shape in SHAPES for case in CASES]
+    for shape, q_len, s_len in tqdm(cases, desc="exact attention", unit="case"):
+        h_q, h_kv, head_dim = SHAPES[shape]
+        q = torch.randn(q_len, h_q, head_dim, dtype=torch.bfloat16)
+        k, v = (torch.randn(s_len, h_kv, head_dim, dtype=torch.bfloat16) for _ in range(2))
+        scale = head_dim ** -0.5
+        assert ops.prefill_in_c(q, k, v), "the C kernel does not run here (AVX512-BF16?)"
         engine = timed(lambda: causal_attention(q, k, v, scale), reps)
-        before = timed(lambda: math_kernel(q, k, v, scale), reps)
-        diff = (causal_attention(q, k, v, scale).float() - math_kernel(q, k, v, scale).float())
-        rows.append({"query_tokens": q_len, "context_tokens": s_len, "engine_ms": engine * 1e3,
-                     "math_kernel_ms": before * 1e3, "speedup": before / engine,
-                     "max_abs_diff": float(diff.abs().max())})
+        vllm = timed(lambda: _vllm_cpu_attention(q, k, v, scale), reps)
+        diff = causal_attention(q, k, v, scale).float() - _vllm_cpu_attention(q, k, v, scale).float()
+        flops = causal_flops(q_len, s_len, h_q, head_dim)
+        rows.append({"shape": shape, "query_tokens": q_len, "context_tokens": s_len,
+                     "engine_ms": engine * 1e3, "vllm_ms": vllm * 1e3,
+                     "engine_gflops": flops / engine / 1e9, "vllm_gflops": flops / vllm / 1e9,
+                     "speedup": vllm / engine, "max_abs_diff": float(diff.abs().max()),
+                     "mean_abs_diff": float(diff.abs().mean())})
     return rows
 
 

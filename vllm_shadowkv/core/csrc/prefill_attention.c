@@ -188,11 +188,14 @@ int prefill_attention(const uint16_t *q, int64_t q_stride, const uint16_t *k, in
               *m = malloc(sizeof(float) * rows_pad), *l = malloc(sizeof(float) * rows_pad);
         status = !(qb && pb && sb && ob && m && l);
         if (qb) memset(qb, 0, sizeof(uint16_t) * rows_pad * d); /* padding rows stay zero */
-        /* the last token blocks see the most keys: handed out first */
+        /* head by head, so that the threads share one head's packed K and V in the last-level
+         * cache (all heads' are 128 MiB at 32K); in each, the last token blocks (the most keys)
+         * first */
 #pragma omp for schedule(dynamic)
         for (int64_t item = 0; item < (int64_t)h_kv * token_blocks; item++) {
             if (status) continue;
-            const int h = (int)(item % h_kv), t0 = (token_blocks - 1 - (int)(item / h_kv)) * TOKENS;
+            const int h = (int)(item / token_blocks),
+                      t0 = (token_blocks - 1 - (int)(item % token_blocks)) * TOKENS;
             const int tokens = q_len - t0 < TOKENS ? q_len - t0 : TOKENS, valid = tokens * g;
             for (int r = 0; r < valid; r++) /* row r: token t0 + r / g, query head h g + r % g */
                 memcpy(qb + (int64_t)r * d,
