@@ -122,7 +122,7 @@ def child_main(args) -> None:
                   "additional_config": {backend: job["settings"]}}
     start = time.perf_counter()
     llm = LLM(model=job["model"], max_model_len=context + gen, enable_prefix_caching=False,
-              enforce_eager=True, seed=0, kv_cache_memory_bytes=job["kv_bytes"],
+              enforce_eager=not job["compile"], seed=0, kv_cache_memory_bytes=job["kv_bytes"],
               disable_log_stats=False, **kwargs)
     startup_s = time.perf_counter() - start
     vllm_config = llm.llm_engine.vllm_config
@@ -313,6 +313,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=0,
                         help="cores of every engine (0: all of this process's; 1 on a machine "
                              "shared with other jobs, where a second OpenMP thread stalls)")
+    parser.add_argument("--compile", action="store_true",
+                        help="both engines compile the model as `vllm serve` does without "
+                             "--enforce-eager (default: eager)")
     parser.add_argument("--timeout", type=float, default=1500, help="per engine (s)")
     parser.add_argument("--out", type=Path, default=OUT_DIR)
     parser.add_argument("--child-out", help=argparse.SUPPRESS)
@@ -342,6 +345,7 @@ def main() -> None:
         for backend in backends if i % 2 == 0 else backends[::-1]:
             jobs.append({"backend": backend, "context": context, "gen": args.gen, "model": model,
                          "kv_bytes": args.kv_mib * MiB, "max_batch": args.max_batch,
+                         "compile": args.compile,
                          "warmup_len": min(context, args.min_sparse_len),
                          "settings": settings(context) if backend != "default" else None})
     runs = []
@@ -374,7 +378,7 @@ def main() -> None:
         "machine": f"{os.cpu_count()}-core {cpu}",
         "date": datetime.date.today().isoformat(),
         "contexts": contexts, "gen": args.gen, "kv_mib": args.kv_mib,
-        "omp_num_threads": int(cores_env["OMP_NUM_THREADS"]),
+        "omp_num_threads": int(cores_env["OMP_NUM_THREADS"]), "compile": args.compile,
         "method": args.method,
         "wall_s": round(time.perf_counter() - wall, 1),
         "note": "CPU timings do not predict GPU speed",
