@@ -131,7 +131,8 @@ def cpu_rows(reps: int) -> list[dict]:
         assert ops.prefill_in_c(q, k, v), "the C kernel does not run here (AVX512-BF16?)"
         engine = timed(lambda: causal_attention(q, k, v, scale), reps)
         vllm = timed(lambda: _vllm_cpu_attention(q, k, v, scale), reps)
-        diff = causal_attention(q, k, v, scale).float() - _vllm_cpu_attention(q, k, v, scale).float()
+        diff = (causal_attention(q, k, v, scale).float()
+                - _vllm_cpu_attention(q, k, v, scale).float())
         flops = causal_flops(q_len, s_len, h_q, head_dim)
         rows.append({"shape": shape, "query_tokens": q_len, "context_tokens": s_len,
                      "engine_ms": engine * 1e3, "vllm_ms": vllm * 1e3,

@@ -50,20 +50,29 @@ static inline __m512 exp2_ps(__m512 t) {
     return _mm512_scalef_ps(p, n);
 }
 
-/* One KV head's K as [s_pad / 16][d / 2][16 keys][2] (S's right operand: a pair of channels of
- * 16 keys per vector) and V as [s_pad / 2][d][2] (PV's: a pair of keys of 16 channels); zero
- * past s_len. Rows are int32 pairs of bf16. */
-static void pack_head(const uint16_t *k, const uint16_t *v, int64_t k_stride, int64_t v_stride,
-                      int s_len, int d, uint32_t *kp, uint32_t *vp, int key0, int key1) {
-    const int pairs = d / 2;
-    for (int key = key0; key < key1; key++) {
-        const int in = key < s_len;
-        const uint32_t *kr = (const uint32_t *)(k + (int64_t)key * k_stride);
-        uint32_t *kd = kp + (int64_t)(key / 16) * pairs * 16 + key % 16;
-        for (int p = 0; p < pairs; p++) kd[p * 16] = in ? kr[p] : 0;
-        const uint16_t *vr = v + (int64_t)key * v_stride;
-        uint16_t *vd = (uint16_t *)(vp + (int64_t)(key / 2) * d) + key % 2;
-        for (int x = 0; x < d; x++) vd[2 * x] = in ? vr[x] : 0;
+/* One key block of one KV head, keys key0 .. key0 + KEYS (zero past s_len), in the dot
+ * products' pair layouts: K as [KEYS / 16][d / 2][16 keys][2] (S's right operand: a pair of
+ * channels of 16 keys per vector, gathered) and V as [d / 16][KEYS / 2][16 channels][2] (PV's: a
+ * pair of keys of 16 channels, interleaved by cpu.h's vnni_tiles). Words are pairs of bf16. */
+static void pack_block(const uint16_t *k, const uint16_t *v, int64_t k_stride, int64_t v_stride,
+                       int s_len, int d, int key0, uint32_t *kp, uint32_t *vp) {
+    const int pairs = d / 2, n = s_len - key0 < KEYS ? s_len - key0 : KEYS;
+    const __m512i rows = _mm512_mullo_epi32(
+        _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+        _mm512_set1_epi32((int)(k_stride * 2))); /* the 16 keys' byte offsets */
+    for (int group = 0; group < KEYS / 16; group++) {
+        const int left = n - 16 * group;
+        const __mmask16 valid = left >= 16 ? 0xFFFF : left > 0 ? (__mmask16)((1u << left) - 1) : 0;
+        const char *first = (const char *)(k + (int64_t)(key0 + 16 * group) * k_stride);
+        uint32_t *dst = kp + (int64_t)group * pairs * 16;
+        for (int p = 0; p < pairs; p++)
+            _mm512_storeu_si512(dst + p * 16, valid ? _mm512_mask_i32gather_epi32(
+                _mm512_setzero_si512(), valid, rows, first + 4 * p, 1) : _mm512_setzero_si512());
+    }
+    for (int c = 0; c < d / 16; c++) {
+        uint16_t *dst = (uint16_t *)(vp + (int64_t)c * KEYS / 2 * 16);
+        if (n < KEYS) memset(dst, 0, sizeof(uint16_t) * KEYS * 16);
+        vnni_tiles(v + (int64_t)key0 * v_stride + 16 * c, v_stride, n, 16, dst);
     }
 }
 
@@ -90,7 +99,7 @@ static inline void s_tile(const uint16_t *q, int d, const uint32_t *kp, float *s
 }
 
 /* o[r][x0, x0 + 16 nv) += p[r] . v over the block's KEYS keys, rows r0..r0+3; nv constant where
- * inlined. p: bf16 rows of KEYS; vp: the block's [KEYS / 2][d][2]. */
+ * inlined. p: bf16 rows of KEYS; vp: the block's packed V (pack_block). */
 static inline __attribute__((always_inline)) void pv_tile(const uint16_t *p, const uint32_t *vp,
                                                           float *o, int d, int x0, const int nv) {
     __m512 acc[4][4];
@@ -99,7 +108,7 @@ static inline __attribute__((always_inline)) void pv_tile(const uint16_t *p, con
     for (int pair = 0; pair < KEYS / 2; pair++) {
         __m512bh b[4];
         for (int v = 0; v < nv; v++)
-            b[v] = (__m512bh)_mm512_loadu_si512(vp + (int64_t)pair * d + x0 + 16 * v);
+            b[v] = (__m512bh)_mm512_loadu_si512(vp + ((x0 / 16 + v) * (KEYS / 2) + pair) * 16);
         for (int r = 0; r < 4; r++) {
             const __m512bh a =
                 (__m512bh)_mm512_set1_epi32(((const int32_t *)(p + r * KEYS))[pair]);
@@ -166,15 +175,12 @@ int prefill_attention(const uint16_t *q, int64_t q_stride, const uint16_t *k, in
     if (d % 16 || d > MAX_HEAD_DIM || g > MAX_GROUP || h_q % h_kv || s_len < q_len) return 1;
     const int s_pad = (s_len + KEYS - 1) / KEYS * KEYS, key_blocks = s_pad / KEYS;
     const int64_t head_words = (int64_t)s_pad * d / 2; /* a head's packed K (or V), in pairs */
-    uint32_t *kp = malloc(sizeof(uint32_t) * head_words * h_kv),
-             *vp = malloc(sizeof(uint32_t) * head_words * h_kv);
+    /* one KV head's at a time: the threads share it in the last-level cache (16 MiB at 32K,
+     * all heads' would be 128), and below glibc's mmap threshold a call reuses the last one's
+     * pages instead of faulting in fresh ones */
+    uint32_t *kp = malloc(sizeof(uint32_t) * head_words),
+             *vp = malloc(sizeof(uint32_t) * head_words);
     if (!kp || !vp) return free(kp), free(vp), 2;
-#pragma omp parallel for schedule(static) if (s_len >= 1024)
-    for (int64_t hb = 0; hb < (int64_t)h_kv * key_blocks; hb++) {
-        const int h = (int)(hb / key_blocks), key0 = (int)(hb % key_blocks) * KEYS;
-        pack_head(k + (int64_t)h * d, v + (int64_t)h * d, k_stride, v_stride, s_len, d,
-                  kp + h * head_words, vp + h * head_words, key0, key0 + KEYS);
-    }
     const int rows = TOKENS * g, rows_pad = (rows + ROW_TILE - 1) / ROW_TILE * ROW_TILE;
     const int token_blocks = (q_len + TOKENS - 1) / TOKENS, offset = s_len - q_len;
     const float c = scale * 1.44269504f; /* scores in log2 units: exp2 of their differences */
@@ -187,52 +193,56 @@ int prefill_attention(const uint16_t *q, int64_t q_stride, const uint16_t *k, in
               *ob = aligned_alloc(64, sizeof(float) * rows_pad * d),
               *m = malloc(sizeof(float) * rows_pad), *l = malloc(sizeof(float) * rows_pad);
         status = !(qb && pb && sb && ob && m && l);
-        if (qb) memset(qb, 0, sizeof(uint16_t) * rows_pad * d); /* padding rows stay zero */
-        /* head by head, so that the threads share one head's packed K and V in the last-level
-         * cache (all heads' are 128 MiB at 32K); in each, the last token blocks (the most keys)
-         * first */
+        for (int h = 0; h < h_kv; h++) {
+#pragma omp for schedule(static)
+            for (int kb = 0; kb < key_blocks; kb++)
+                pack_block(k + (int64_t)h * d, v + (int64_t)h * d, k_stride, v_stride, s_len, d,
+                           kb * KEYS, kp + (int64_t)kb * KEYS * d / 2,
+                           vp + (int64_t)kb * KEYS * d / 2);
+            /* the last token blocks (the most keys) first */
 #pragma omp for schedule(dynamic)
-        for (int64_t item = 0; item < (int64_t)h_kv * token_blocks; item++) {
-            if (status) continue;
-            const int h = (int)(item / token_blocks),
-                      t0 = (token_blocks - 1 - (int)(item % token_blocks)) * TOKENS;
-            const int tokens = q_len - t0 < TOKENS ? q_len - t0 : TOKENS, valid = tokens * g;
-            for (int r = 0; r < valid; r++) /* row r: token t0 + r / g, query head h g + r % g */
-                memcpy(qb + (int64_t)r * d,
-                       q + (int64_t)(t0 + r / g) * q_stride + (int64_t)(h * g + r % g) * d,
-                       sizeof(uint16_t) * d);
-            for (int r = valid; r < rows_pad; r++) memset(qb + (int64_t)r * d, 0, 2 * d);
-            for (int r = 0; r < rows_pad; r++) m[r] = NONE, l[r] = 0.f;
-            memset(ob, 0, sizeof(float) * rows_pad * d);
-            const int last = offset + t0 + tokens - 1; /* the last key any row sees */
-            const int rows_tiles = (valid + ROW_TILE - 1) / ROW_TILE * ROW_TILE;
-            for (int kb = 0; kb * KEYS <= last; kb++) {
-                const int key0 = kb * KEYS;
-                const uint32_t *kh = kp + h * head_words + (int64_t)key0 * d / 2;
-                for (int r0 = 0; r0 < rows_tiles; r0 += ROW_TILE)
-                    for (int kg = 0; kg < KEYS / 16 && key0 + kg * 16 <= last; kg += 2)
-                        s_tile(qb + (int64_t)r0 * d, d, kh + (int64_t)kg * 16 * d / 2,
-                               sb + r0 * KEYS + kg * 16, KEYS);
-                for (int r = 0; r < rows_tiles; r++) {
-                    int limit = offset + t0 + r / g + 1 - key0; /* keys of the block it sees */
-                    if (r >= valid || limit <= 0) {
-                        memset(pb + r * KEYS, 0, sizeof(uint16_t) * KEYS);
-                        continue;
+            for (int item = 0; item < token_blocks; item++) {
+                if (status) continue;
+                const int t0 = (token_blocks - 1 - item) * TOKENS;
+                const int tokens = q_len - t0 < TOKENS ? q_len - t0 : TOKENS, valid = tokens * g;
+                /* row r: token t0 + r / g, query head h g + r % g */
+                for (int r = 0; r < valid; r++)
+                    memcpy(qb + (int64_t)r * d,
+                           q + (int64_t)(t0 + r / g) * q_stride + (int64_t)(h * g + r % g) * d,
+                           sizeof(uint16_t) * d);
+                for (int r = valid; r < rows_pad; r++) memset(qb + (int64_t)r * d, 0, 2 * d);
+                for (int r = 0; r < rows_pad; r++) m[r] = NONE, l[r] = 0.f;
+                memset(ob, 0, sizeof(float) * rows_pad * d);
+                const int last = offset + t0 + tokens - 1; /* the last key any row sees */
+                const int rows_tiles = (valid + ROW_TILE - 1) / ROW_TILE * ROW_TILE;
+                for (int kb = 0; kb * KEYS <= last; kb++) {
+                    const int key0 = kb * KEYS;
+                    const uint32_t *kh = kp + (int64_t)key0 * d / 2;
+                    for (int r0 = 0; r0 < rows_tiles; r0 += ROW_TILE)
+                        for (int kg = 0; kg < KEYS / 16 && key0 + kg * 16 <= last; kg += 2)
+                            s_tile(qb + (int64_t)r0 * d, d, kh + (int64_t)kg * 16 * d / 2,
+                                   sb + r0 * KEYS + kg * 16, KEYS);
+                    for (int r = 0; r < rows_tiles; r++) {
+                        int limit = offset + t0 + r / g + 1 - key0; /* keys of the block it sees */
+                        if (r >= valid || limit <= 0) {
+                            memset(pb + r * KEYS, 0, sizeof(uint16_t) * KEYS);
+                            continue;
+                        }
+                        softmax_row(sb + r * KEYS, limit < KEYS ? limit : KEYS, c, m + r, l + r,
+                                    pb + r * KEYS, ob + (int64_t)r * d, d);
                     }
-                    softmax_row(sb + r * KEYS, limit < KEYS ? limit : KEYS, c, m + r, l + r,
-                                pb + r * KEYS, ob + (int64_t)r * d, d);
+                    const uint32_t *vh = vp + (int64_t)key0 * d / 2;
+                    for (int r0 = 0; r0 < rows_tiles; r0 += 4)
+                        pv_rows(pb + r0 * KEYS, vh, ob + (int64_t)r0 * d, d);
                 }
-                const uint32_t *vh = vp + h * head_words + (int64_t)key0 * d / 2;
-                for (int r0 = 0; r0 < rows_tiles; r0 += 4)
-                    pv_rows(pb + r0 * KEYS, vh, ob + (int64_t)r0 * d, d);
-            }
-            for (int r = 0; r < valid; r++) {
-                const int t = t0 + r / g, head = h * g + r % g;
-                const float inv = 1.f / l[r];
-                float *o = ob + (int64_t)r * d;
-                for (int x = 0; x < d; x++) o[x] *= inv;
-                from_f32(o, d, BF16, out + ((int64_t)t * h_q + head) * d);
-                lse[(int64_t)head * q_len + t] = (m[r] + log2f(l[r])) * 0.69314718f;
+                for (int r = 0; r < valid; r++) {
+                    const int t = t0 + r / g, head = h * g + r % g;
+                    const float inv = 1.f / l[r];
+                    float *o = ob + (int64_t)r * d;
+                    for (int x = 0; x < d; x++) o[x] *= inv;
+                    from_f32(o, d, BF16, out + ((int64_t)t * h_q + head) * d);
+                    lse[(int64_t)head * q_len + t] = (m[r] + log2f(l[r])) * 0.69314718f;
+                }
             }
         }
         free(qb), free(pb), free(sb), free(ob), free(m), free(l);
