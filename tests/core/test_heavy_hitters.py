@@ -19,6 +19,12 @@ def _amx_tiles() -> bool:
     return native.column_sums(q, k, 1.0) is not None
 
 
+def _c_sums_with_lse() -> bool:
+    """Whether the C column sums that take the rows' LSE run here (AVX512-BF16)."""
+    q = torch.zeros(1, 1, 64).bfloat16()
+    return native.library() is not None and native.supports_column_sums_lse(q, q)
+
+
 def dense_column_sums(q, k, scale):
     """The whole causal softmax map, summed over query rows and the query heads of each KV
     head: q [L, h_q, d], k [L, h_kv, d] -> [h_kv, L]."""
@@ -34,16 +40,21 @@ def dense_column_sums(q, k, scale):
 CHUNKS = [([97], 64), ([37, 1, 59], 80), ([64, 33], 128)]
 
 
-@pytest.mark.parametrize("impl", ["gemm", "gemm-eager", "tiles", "triton"])
+@pytest.mark.parametrize("impl", ["gemm", "gemm-eager", "tiles", "triton", "lse"])
 @pytest.mark.parametrize("gqa", [1, 4, 8])
 @pytest.mark.parametrize("chunks, head_dim", CHUNKS)
 @pytest.mark.parametrize("given_lse", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_chunked_column_sums_equal_one_pass(impl, gqa, chunks, head_dim, given_lse, dtype,
                                             monkeypatch, kernel_device):
-    """The CPU's GEMM tiles (compiled, and eager as in "torch" mode), the fp32 tiles and the
-    Triton kernel (what CUDA runs; interpreted on the CPU) against the dense map, with the rows'
-    LSE computed inside or handed over from the prefill's exact attention."""
+    """The CPU's GEMM tiles (compiled, and eager as in "torch" mode), the fp32 tiles, the
+    Triton kernel (what CUDA runs; interpreted on the CPU) and the C kernel that takes the rows'
+    LSE (bf16 on AVX512-BF16, where the chunk's attention ran in C) against the dense map, with
+    the rows' LSE computed inside or handed over from the prefill's exact attention."""
+    if impl == "lse" and not (given_lse and dtype == torch.bfloat16 and _c_sums_with_lse()):
+        pytest.skip("the C sums take a bf16 chunk's LSE, on a CPU with AVX512-BF16")
+    if impl in ("gemm", "tiles"):  # (given the LSE of a bf16 chunk, the C kernel takes it)
+        monkeypatch.setattr(native, "supports_column_sums_lse", lambda q, k: False)
     if impl == "gemm":  # the tiles a CPU without AMX runs (with AMX bf16 goes to the C kernel)
         monkeypatch.setattr(native, "supports_column_sums", lambda q, k: False)
     if impl == "tiles":
@@ -74,6 +85,11 @@ def _check_chunked(impl, gqa, chunks, head_dim, given_lse, dtype, monkeypatch, k
     k = torch.randn(length, h_kv, head_dim).to(dtype)
     scale = head_dim ** -0.5
     col_sums, start = None, 0
+    calls = []
+    if impl == "lse":
+        c_sums = native.column_sums_lse
+        monkeypatch.setattr(native, "column_sums_lse",
+                            lambda *args: calls.append(1) or c_sums(*args))
     with ops.kernel_mode(mode):
         for n in chunks:
             lse = causal_attention_cpu(q[start:start + n], k[:start + n], k[:start + n],
@@ -84,8 +100,11 @@ def _check_chunked(impl, gqa, chunks, head_dim, given_lse, dtype, monkeypatch, k
             assert col_sums.shape == (h_kv, start) and col_sums.dtype == torch.float32
     want = dense_column_sums(q, k, scale)
     # bf16 GEMM logits: each rounded to 2^-9 of its distance from the row's centring. (The
-    # AMX tiles sum bf16 products in fp32: as exact as the fp32 tiles.)
+    # AMX tiles and the C kernel with the LSE sum bf16 products in fp32: as exact as the fp32
+    # tiles.)
     tol = 2e-3 if impl.startswith("gemm") and dtype == torch.bfloat16 else 1e-4
+    if impl == "lse":
+        assert calls, "the C kernel with the LSE did not run"
     torch.testing.assert_close(col_sums.cpu(), want, atol=tol, rtol=tol)
     # Every query row's probabilities sum to 1.
     torch.testing.assert_close(col_sums.sum(dim=-1).cpu(),

@@ -136,6 +136,9 @@ def library() -> ctypes.CDLL | None:
     lib.column_sums.restype = ctypes.c_int
     lib.column_sums.argtypes = [_ptr, _ptr, _i64, _i32, _i32, _i32, _i32, _i32, ctypes.c_float,
                                 _ptr]
+    lib.column_sums_lse.restype = ctypes.c_int
+    lib.column_sums_lse.argtypes = [_ptr, _i64, _ptr, _i64, _i32, _i32, _i32, _i32, _i32,
+                                    ctypes.c_float, _ptr, _ptr]
     lib.top_k_tokens.restype = ctypes.c_int
     lib.top_k_tokens.argtypes = [_ptr, _i64, _ptr, _i32, _i32, _i32, _i32, _ptr]
     lib.channel_top_k.restype = ctypes.c_int
@@ -517,6 +520,31 @@ def supports_column_sums(q: torch.Tensor, k: torch.Tensor) -> bool:
     run of memory, and the library built (the kernel itself declines without AMX tiles)."""
     return (q.device.type == k.device.type == "cpu" and q.dtype == k.dtype == torch.bfloat16
             and k.stride(2) == 1 and k.stride(1) == k.shape[2] and library() is not None)
+
+
+def column_sums_lse(q, k, scale, lse):
+    """heavy_hitters.chunk_column_sums_reference given the rows' LSE, in one C call on
+    AVX512-BF16 dot products (``csrc/column_sums.c``): q [n, h_q, d] the chunk's queries, k
+    [length, h_kv, d] every key so far, lse [h_kv, G, n] from the chunk's attention ->
+    [h_kv, length] fp32. For what ``supports_column_sums_lse`` accepts."""
+    n, h_q, head_dim = q.shape
+    length, h_kv, _ = k.shape
+    q, k = _heads_packed(q), _heads_packed(k)
+    lse = _as(lse.reshape(h_q, n), torch.float32)
+    total = torch.empty(h_kv, length, dtype=torch.float32)
+    status = library().column_sums_lse(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), n,
+                                       length, h_q, h_kv, head_dim, scale, lse.data_ptr(),
+                                       total.data_ptr())
+    if status == 2:
+        raise MemoryError("column_sums_lse: scratch allocation failed")
+    assert not status, "outside supports_column_sums_lse()"
+    return total
+
+
+def supports_column_sums_lse(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether ``column_sums_lse`` here takes these: what ``supports_prefill_attention`` takes
+    of the chunk's queries over its keys."""
+    return supports_prefill_attention(q, k, k)
 
 
 def copy_rows(dst, index, src, src_index=None):

@@ -214,13 +214,16 @@ def top_k_tokens(logits, other_lse, h_kv, k):
 
 def column_sums(q, k, scale, lse=None):
     """One prefill chunk's H2O column sums. The Triton kernel takes the rows' LSE where the
-    engine's paged prefill kernel gave it. On the CPU the C kernel on AMX tiles (bf16, "auto")
+    engine's paged prefill kernel gave it, and so does the CPU's C kernel on AVX512-BF16 where
+    the chunk's attention ran in C. Otherwise on the CPU the C kernel on AMX tiles (bf16, "auto")
     and the GEMM tiles elsewhere (``heavy_hitters.gemm_column_sums``, compiled in "auto", eager
     in "torch") normalise their rows themselves."""
     if _use_triton(q):
         return _kernels("heavy_hitter_kernels").chunk_column_sums(q, k, scale, lse)
     if q.device.type != "cpu":
         return heavy_hitters.chunk_column_sums_reference(q, k, scale, lse)
+    if compiled_cpu(q) and lse is not None and native.supports_column_sums_lse(q, k):
+        return native.column_sums_lse(q, k, scale, lse)
     if compiled_cpu(q) and native.supports_column_sums(q, k):
         sums = native.column_sums(q, k, scale)
         if sums is not None:  # (None: no AMX tiles on this CPU)

@@ -9,30 +9,22 @@
  * summed again, centred higher); the second adds each row's probabilities exp(logit - lse)
  * into the keys' sums. Each tile is one AMX product per 32 channels (bf16 inputs, fp32 sums):
  * the keys are laid out as B tiles once per head, and a block of keys' tiles stays in tile
- * registers while every row block of the panel passes under them. */
+ * registers while every row block of the panel passes under them.
+ *
+ * Where the chunk's attention ran in C (prefill_attention.c) it gave each row's LSE, and
+ * column_sums_lse needs only the second pass, on AVX512-BF16 dot products (no AMX tiles). */
 #include <stdlib.h>
 
-#include "cpu.h"
+#include "bf16_tiles.h"
 
 #if defined(__AMX_BF16__)
 #define PANEL 1024      /* query rows per panel: their bf16 rows stay in L2 */
 #define OVERFLOW 80.f   /* the centre's move when a sum overflowed: exp(80) is finite */
 #define LARGE 1e30f     /* a row sum above this is summed again, centred higher */
 
-/* e^x for x below about 88 (0 far below): 2^(x log2 e) as 2^n times a degree-6 polynomial of the
- * fraction in [-0.5, 0.5] (relative error about 1e-7). */
+/* e^x (0 far below, through cpu.h's exp2_ps) */
 static inline __m512 exp16(__m512 x) {
-    const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504f));
-    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_sub_ps(t, n);
-    __m512 p = _mm512_set1_ps(1.540353e-4f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-    return _mm512_scalef_ps(p, n);
+    return exp2_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)));
 }
 
 struct chunk {
@@ -204,6 +196,89 @@ int column_sums(const void *q, const void *k, int64_t k_stride, int n, int h_q, 
 #else
     (void)q, (void)k, (void)k_stride, (void)n, (void)h_q, (void)h_kv, (void)d, (void)length;
     (void)scale, (void)total;
+    return 1;
+#endif
+}
+
+/* The chunk's column sums given each query row's LSE, one pass: total[h][j] = the sum over the
+ * group's query rows r (token t at position length - n + t, seeing keys j <= it) of
+ * exp(q_r . k_j scale - lse_r). q: [n, h_q, d] (token stride q_stride, heads d apart); k:
+ * [length, h_kv, d] (token stride k_stride); lse: [h_q, n] natural log; total: [h_kv, length]
+ * fp32, written. Returns 0; 1 where this build lacks AVX512-BF16 or d is not a multiple of 16 up
+ * to MAX_HEAD_DIM; 2 if a scratch allocation failed. */
+int column_sums_lse(const uint16_t *q, int64_t q_stride, const uint16_t *k, int64_t k_stride,
+                    int n, int length, int h_q, int h_kv, int d, float scale, const float *lse,
+                    float *total) {
+#if defined(__AVX512BF16__)
+    if (d % 16 || d > MAX_HEAD_DIM || h_q % h_kv || length < n) return 1;
+    const int g = h_q / h_kv, offset = length - n, rows = n * g;
+    const int rows_pad = (rows + ROW_TILE - 1) / ROW_TILE * ROW_TILE;
+    const int key_blocks = (length + KEYS - 1) / KEYS;
+    const float c = scale * 1.44269504f; /* logits and LSE in log2 units */
+    uint16_t *qp = aligned_alloc(64, sizeof(uint16_t) * rows_pad * d);
+    float *lse2 = malloc(sizeof(float) * rows_pad);
+    int status = !(qp && lse2);
+    for (int h = 0; h < h_kv && !status; h++) {
+        /* the head's rows, r = t g + j (query head h g + j), as prefill_attention orders them */
+        for (int r = 0; r < rows_pad; r++) {
+            uint16_t *row = qp + (int64_t)r * d;
+            if (r < rows)
+                memcpy(row, q + (int64_t)(r / g) * q_stride + (int64_t)(h * g + r % g) * d,
+                       sizeof(uint16_t) * d);
+            else
+                memset(row, 0, sizeof(uint16_t) * d);
+            lse2[r] = r < rows ? lse[(int64_t)(h * g + r % g) * n + r / g] * 1.44269504f : 0.f;
+        }
+#pragma omp parallel reduction(| : status) if (key_blocks > 1)
+        {
+            uint32_t *kp = aligned_alloc(64, sizeof(uint32_t) * KEYS * d / 2);
+            float *sb = aligned_alloc(64, sizeof(float) * ROW_TILE * KEYS);
+            status = !(kp && sb);
+#pragma omp for schedule(dynamic)
+            for (int kb = 0; kb < key_blocks; kb++) {
+                if (status) continue;
+                const int key0 = kb * KEYS, keys = length - key0 < KEYS ? length - key0 : KEYS;
+                pack_keys(k + (int64_t)h * d, k_stride, length, d, key0, kp);
+                __m512 column[KEYS / 16];
+                for (int v = 0; v < KEYS / 16; v++) column[v] = _mm512_setzero_ps();
+                /* the first row that sees a key of the block: token key0 - offset */
+                const int first = key0 > offset ? (key0 - offset) * g / ROW_TILE * ROW_TILE : 0;
+                for (int r0 = first; r0 < rows; r0 += ROW_TILE) {
+                    for (int kg = 0; kg < KEYS / 16 && kg * 16 < keys; kg += 2)
+                        s_tile(qp + (int64_t)r0 * d, d, kp + (int64_t)kg * 16 * d / 2,
+                               sb + kg * 16, KEYS);
+                    for (int r = r0; r < r0 + ROW_TILE && r < rows; r++) {
+                        int seen = offset + r / g + 1 - key0; /* keys of the block it sees */
+                        seen = seen < keys ? seen : keys;
+                        const float *sr = sb + (r - r0) * KEYS;
+                        for (int v = 0; v < KEYS / 16 && 16 * v < seen; v++) {
+                            const int left = seen - 16 * v;
+                            const __mmask16 in =
+                                left >= 16 ? 0xFFFF : (__mmask16)((1u << left) - 1);
+                            const __m512 t = _mm512_fmsub_ps(_mm512_loadu_ps(sr + 16 * v),
+                                                             _mm512_set1_ps(c),
+                                                             _mm512_set1_ps(lse2[r]));
+                            column[v] = _mm512_add_ps(column[v],
+                                                      _mm512_maskz_mov_ps(in, exp2_ps(t)));
+                        }
+                    }
+                }
+                float *out = total + (int64_t)h * length + key0;
+                for (int v = 0; v < KEYS / 16 && 16 * v < keys; v++) {
+                    const int left = keys - 16 * v;
+                    _mm512_mask_storeu_ps(out + 16 * v,
+                                          left >= 16 ? 0xFFFF : (__mmask16)((1u << left) - 1),
+                                          column[v]);
+                }
+            }
+            free(kp), free(sb);
+        }
+    }
+    free(qp), free(lse2);
+    return status ? 2 : 0;
+#else
+    (void)q, (void)q_stride, (void)k, (void)k_stride, (void)n, (void)length, (void)h_q,
+        (void)h_kv, (void)d, (void)scale, (void)lse, (void)total;
     return 1;
 #endif
 }

@@ -139,6 +139,24 @@ static inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
 }
 #endif
 
+#if defined(__AVX512F__)
+/* 2^t: 2^n x 2^f with n = round(t), f in [-1/2, 1/2], 2^f by its Taylor polynomial of degree 6
+ * (relative error below 2e-7); t clamped at -126, no denormals. */
+static inline __m512 exp2_ps(__m512 t) {
+    t = _mm512_max_ps(t, _mm512_set1_ps(-126.f));
+    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(t, n);
+    __m512 p = _mm512_set1_ps(1.5403530e-4f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+    return _mm512_scalef_ps(p, n);
+}
+#endif
+
 #if defined(__AVX512BF16__)
 static inline __m512bh load_bf16(const uint16_t *src, int v, int nv, __mmask32 tail) {
     return (__m512bh)_mm512_maskz_loadu_epi16(v == nv - 1 ? tail : ~0u, src + 32 * v);

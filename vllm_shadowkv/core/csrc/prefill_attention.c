@@ -16,11 +16,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "cpu.h"
+#include "bf16_tiles.h"
 
 #define TOKENS 16   /* query tokens per work item */
-#define KEYS 128     /* keys per online-softmax block */
-#define ROW_TILE 8  /* query rows per S micro-tile (8 x 32 keys: 16 accumulators) */
 #define MAX_GROUP 16
 #define NONE (-1e30f)
 
@@ -34,70 +32,6 @@ int prefill_attention_built(void) {
 }
 
 #if defined(__AVX512BF16__)
-/* 2^t: 2^n x 2^f with n = round(t), f in [-1/2, 1/2], 2^f by its Taylor polynomial of degree 6
- * (relative error below 2e-7); t clamped at -126, no denormals. */
-static inline __m512 exp2_ps(__m512 t) {
-    t = _mm512_max_ps(t, _mm512_set1_ps(-126.f));
-    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_sub_ps(t, n);
-    __m512 p = _mm512_set1_ps(1.5403530e-4f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-    return _mm512_scalef_ps(p, n);
-}
-
-/* One key block of one KV head, keys key0 .. key0 + KEYS (zero past s_len), in the dot
- * products' pair layouts: K as [KEYS / 16][d / 2][16 keys][2] (S's right operand: a pair of
- * channels of 16 keys per vector, gathered) and V as [d / 16][KEYS / 2][16 channels][2] (PV's: a
- * pair of keys of 16 channels, interleaved by cpu.h's vnni_tiles). Words are pairs of bf16. */
-static void pack_block(const uint16_t *k, const uint16_t *v, int64_t k_stride, int64_t v_stride,
-                       int s_len, int d, int key0, uint32_t *kp, uint32_t *vp) {
-    const int pairs = d / 2, n = s_len - key0 < KEYS ? s_len - key0 : KEYS;
-    const __m512i rows = _mm512_mullo_epi32(
-        _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-        _mm512_set1_epi32((int)(k_stride * 2))); /* the 16 keys' byte offsets */
-    for (int group = 0; group < KEYS / 16; group++) {
-        const int left = n - 16 * group;
-        const __mmask16 valid = left >= 16 ? 0xFFFF : left > 0 ? (__mmask16)((1u << left) - 1) : 0;
-        const char *first = (const char *)(k + (int64_t)(key0 + 16 * group) * k_stride);
-        uint32_t *dst = kp + (int64_t)group * pairs * 16;
-        for (int p = 0; p < pairs; p++)
-            _mm512_storeu_si512(dst + p * 16, valid ? _mm512_mask_i32gather_epi32(
-                _mm512_setzero_si512(), valid, rows, first + 4 * p, 1) : _mm512_setzero_si512());
-    }
-    for (int c = 0; c < d / 16; c++) {
-        uint16_t *dst = (uint16_t *)(vp + (int64_t)c * KEYS / 2 * 16);
-        if (n < KEYS) memset(dst, 0, sizeof(uint16_t) * KEYS * 16);
-        vnni_tiles(v + (int64_t)key0 * v_stride + 16 * c, v_stride, n, 16, dst);
-    }
-}
-
-/* s[r][0, 32) = rows r0..r0+7 of q (bf16 rows of d) . the 32 keys of kp's groups kg, kg + 1. */
-static inline void s_tile(const uint16_t *q, int d, const uint32_t *kp, float *s, int ld) {
-    const int pairs = d / 2;
-    __m512 acc[ROW_TILE][2];
-    for (int r = 0; r < ROW_TILE; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-    const uint32_t *k0 = kp, *k1 = kp + pairs * 16;
-    for (int p = 0; p < pairs; p++) {
-        const __m512bh b0 = (__m512bh)_mm512_loadu_si512(k0 + p * 16);
-        const __m512bh b1 = (__m512bh)_mm512_loadu_si512(k1 + p * 16);
-        for (int r = 0; r < ROW_TILE; r++) {
-            const __m512bh a =
-                (__m512bh)_mm512_set1_epi32(((const int32_t *)(q + (int64_t)r * d))[p]);
-            acc[r][0] = _mm512_dpbf16_ps(acc[r][0], a, b0);
-            acc[r][1] = _mm512_dpbf16_ps(acc[r][1], a, b1);
-        }
-    }
-    for (int r = 0; r < ROW_TILE; r++) {
-        _mm512_storeu_ps(s + r * ld, acc[r][0]);
-        _mm512_storeu_ps(s + r * ld + 16, acc[r][1]);
-    }
-}
-
 /* o[r][x0, x0 + 16 nv) += p[r] . v over the block's KEYS keys, rows r0..r0+3; nv constant where
  * inlined. p: bf16 rows of KEYS; vp: the block's packed V (pack_block). */
 static inline __attribute__((always_inline)) void pv_tile(const uint16_t *p, const uint32_t *vp,
@@ -195,10 +129,12 @@ int prefill_attention(const uint16_t *q, int64_t q_stride, const uint16_t *k, in
         status = !(qb && pb && sb && ob && m && l);
         for (int h = 0; h < h_kv; h++) {
 #pragma omp for schedule(static)
-            for (int kb = 0; kb < key_blocks; kb++)
-                pack_block(k + (int64_t)h * d, v + (int64_t)h * d, k_stride, v_stride, s_len, d,
-                           kb * KEYS, kp + (int64_t)kb * KEYS * d / 2,
-                           vp + (int64_t)kb * KEYS * d / 2);
+            for (int kb = 0; kb < key_blocks; kb++) {
+                pack_keys(k + (int64_t)h * d, k_stride, s_len, d, kb * KEYS,
+                          kp + (int64_t)kb * KEYS * d / 2);
+                pack_values(v + (int64_t)h * d, v_stride, s_len, d, kb * KEYS,
+                            vp + (int64_t)kb * KEYS * d / 2);
+            }
             /* the last token blocks (the most keys) first */
 #pragma omp for schedule(dynamic)
             for (int item = 0; item < token_blocks; item++) {

@@ -1,0 +1,65 @@
+/* What the bf16 prefill kernels share (prefill_attention.c, column_sums.c's column_sums_lse):
+ * one KV head's keys and values packed per block of KEYS keys into AVX512-BF16's pair layouts,
+ * and the S = Q K^T micro-tile of ROW_TILE query rows x 32 keys. */
+#pragma once
+#include "cpu.h"
+
+#define KEYS 128    /* keys per block */
+#define ROW_TILE 8  /* query rows per S micro-tile (8 x 32 keys: 16 accumulators) */
+
+#if defined(__AVX512BF16__)
+/* One key block of one KV head, keys key0 .. key0 + KEYS (zero past s_len), in the dot
+ * product's pair layout for S = Q K^T: [KEYS / 16][d / 2][16 keys][2] (a pair of channels of 16
+ * keys per vector, gathered). Words are pairs of bf16; k: the head's first key, k_stride
+ * elements between keys. */
+static inline void pack_keys(const uint16_t *k, int64_t k_stride, int s_len, int d, int key0,
+                             uint32_t *kp) {
+    const int pairs = d / 2, n = s_len - key0 < KEYS ? s_len - key0 : KEYS;
+    const __m512i rows = _mm512_mullo_epi32(
+        _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+        _mm512_set1_epi32((int)(k_stride * 2))); /* the 16 keys' byte offsets */
+    for (int group = 0; group < KEYS / 16; group++) {
+        const int left = n - 16 * group;
+        const __mmask16 valid = left >= 16 ? 0xFFFF : left > 0 ? (__mmask16)((1u << left) - 1) : 0;
+        const char *first = (const char *)(k + (int64_t)(key0 + 16 * group) * k_stride);
+        uint32_t *dst = kp + (int64_t)group * pairs * 16;
+        for (int p = 0; p < pairs; p++)
+            _mm512_storeu_si512(dst + p * 16, valid ? _mm512_mask_i32gather_epi32(
+                _mm512_setzero_si512(), valid, rows, first + 4 * p, 1) : _mm512_setzero_si512());
+    }
+}
+
+/* The same block's values for O += P V: [d / 16][KEYS / 2][16 channels][2] (a pair of keys of
+ * 16 channels, interleaved by cpu.h's vnni_tiles). */
+static inline void pack_values(const uint16_t *v, int64_t v_stride, int s_len, int d, int key0,
+                               uint32_t *vp) {
+    const int n = s_len - key0 < KEYS ? s_len - key0 : KEYS;
+    for (int c = 0; c < d / 16; c++) {
+        uint16_t *dst = (uint16_t *)(vp + (int64_t)c * KEYS / 2 * 16);
+        if (n < KEYS) memset(dst, 0, sizeof(uint16_t) * KEYS * 16);
+        vnni_tiles(v + (int64_t)key0 * v_stride + 16 * c, v_stride, n, 16, dst);
+    }
+}
+
+/* s[r][0, 32) = rows r0..r0+7 of q (bf16 rows of d) . the 32 keys of kp's groups kg, kg + 1. */
+static inline void s_tile(const uint16_t *q, int d, const uint32_t *kp, float *s, int ld) {
+    const int pairs = d / 2;
+    __m512 acc[ROW_TILE][2];
+    for (int r = 0; r < ROW_TILE; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    const uint32_t *k0 = kp, *k1 = kp + pairs * 16;
+    for (int p = 0; p < pairs; p++) {
+        const __m512bh b0 = (__m512bh)_mm512_loadu_si512(k0 + p * 16);
+        const __m512bh b1 = (__m512bh)_mm512_loadu_si512(k1 + p * 16);
+        for (int r = 0; r < ROW_TILE; r++) {
+            const __m512bh a =
+                (__m512bh)_mm512_set1_epi32(((const int32_t *)(q + (int64_t)r * d))[p]);
+            acc[r][0] = _mm512_dpbf16_ps(acc[r][0], a, b0);
+            acc[r][1] = _mm512_dpbf16_ps(acc[r][1], a, b1);
+        }
+    }
+    for (int r = 0; r < ROW_TILE; r++) {
+        _mm512_storeu_ps(s + r * ld, acc[r][0]);
+        _mm512_storeu_ps(s + r * ld + 16, acc[r][1]);
+    }
+}
+#endif
