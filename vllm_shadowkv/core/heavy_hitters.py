@@ -7,14 +7,15 @@ selects for itself, so K/V are never expanded to query heads (spec §10.3).
 
 Chunked prefill: each chunk adds its queries' contributions to every key so far, so summing
 chunk by chunk equals one whole-prompt pass; the [n, L] map of a long prompt is never
-materialised. On a CPU with AMX tiles a C kernel takes bf16 chunks (``csrc/column_sums.c``: two
-passes of 16 x 16 tiles, 2.7-3.9x the GEMM tiles' speed). Elsewhere on the CPU
-(``gemm_column_sums``) a tile of whole rows (a few query tokens of one
-KV head's group, all their keys) is one 16-bit GEMM whose logits come out centred: an extra
-channel subtracts an estimate of each row's largest logit inside the GEMM, so the bf16 output
-rounds each logit to 2^-9 of its distance from that estimate, not of its size. The tile then
-normalises its rows itself (their LSE is not needed from the prefill, whose attention runs
-through vLLM's kernel, which gives none). At Llama-3.1-8B shapes they cost 1.2-1.5x vLLM's
+materialised. Where a bf16 chunk's attention ran in C (``csrc/prefill_attention.c``, on
+AVX512-BF16) it gave each row's LSE, and a C kernel adds exp(logit - LSE) into the keys' sums in
+one pass (``column_sums_lse`` in ``csrc/column_sums.c``). Where vLLM's kernel ran it (no LSE), on
+a CPU with AMX tiles a C kernel takes bf16 chunks (``csrc/column_sums.c``: two passes of 16 x 16
+tiles, 2.7-3.9x the GEMM tiles' speed). Elsewhere on the CPU (``gemm_column_sums``) a tile of
+whole rows (a few query tokens of one KV head's group, all their keys) is one 16-bit GEMM whose
+logits come out centred: an extra channel subtracts an estimate of each row's largest logit
+inside the GEMM, so the bf16 output rounds each logit to 2^-9 of its distance from that
+estimate, not of its size. The tile then normalises its rows itself. At Llama-3.1-8B shapes they cost 1.2-1.5x vLLM's
 attention of the same chunks: MiniKV's prefill attention work 2.1-2.6x the default's, where
 torch's flash kernel with the LSE and a transposed flash pass for the sums cost 4.4-5.3x
 (benchmarks/bench_heavy_hitters.py). On CUDA (and in "triton" kernel mode) a Triton kernel takes

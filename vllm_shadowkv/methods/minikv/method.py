@@ -48,7 +48,7 @@ class MiniKVMethod(KVMethod):
     name = "minikv"
     settings_cls = MiniKVSettings
     needs_rope = False  # post-RoPE keys are stored as they come
-    needs_prefill_lse = True  # CUDA's column sums normalise by it (the CPU's need none)
+    needs_prefill_lse = True  # the column sums normalise by it (CUDA; the CPU's C attention)
     # The paper's defaults (§5.1): 2 bits, 25 % heavy hitters (pyramid) + 25 % recent window.
     capacity_claim = ({}, 7.0)
     capacity_lengths = (32768, 131072)
