@@ -45,6 +45,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--shadowkv", default=json.dumps(DEMO_SETTINGS),
                         help=f"JSON settings (default: {json.dumps(DEMO_SETTINGS)})")
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="serve the model eagerly (default: compiled, as `vllm serve` runs "
+                             "it; about 20 s more start-up)")
     args = parser.parse_args(argv)
 
     model = args.model or str(FIXTURE)
@@ -53,9 +56,8 @@ def main(argv: list[str] | None = None) -> None:
     serve_args = [
         "--attention-backend", "shadowkv",
         "--additional-config", json.dumps({"shadowkv": json.loads(args.shadowkv)}),
-        "--worker-extension-cls", EXTENSION_CLASS, "--enforce-eager",
-        "--max-model-len", str(DEMO_LENGTH + 256),
-    ]
+        "--worker-extension-cls", EXTENSION_CLASS, "--max-model-len", str(DEMO_LENGTH + 256),
+    ] + (["--enforce-eager"] if args.enforce_eager else [])
     env = dict(os.environ, VLLM_SERVER_DEV_MODE="1")  # exposes POST /collective_rpc
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     log = Path(tempfile.mkdtemp(prefix="shadowkv-demo-")) / "server.log"

@@ -1,4 +1,5 @@
-"""The README's main job: the demo serves the retrieval model with shadowkv and answers."""
+"""The README's main job: the demo serves the retrieval model with shadowkv and answers, the
+model compiled as `vllm serve` runs it without `--enforce-eager`."""
 
 import subprocess
 import sys
