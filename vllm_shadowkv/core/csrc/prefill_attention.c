@@ -8,9 +8,10 @@
  * rounded to bf16 as FlashAttention rounds it to 16 bits, fp32 sums and softmax.
  *
  * A work item is one KV head and a block of TOKENS query tokens: its rows are the tokens x the
- * group's query heads (each key block read once for all of them). K and V are first packed per
- * KV head into the dot product's pair layout (once per call: O(s d), against the O(s q d) of
- * the products). Query token t sits at position s_len - q_len + t and sees the keys up to it. */
+ * group's query heads (each key block read once for all of them). The heads go one at a time:
+ * the head's K and V are packed into the dot product's pair layouts (bf16_tiles.h; O(s d),
+ * against the O(s q d) of the products), then its items run. Query token t sits at position
+ * s_len - q_len + t and sees the keys up to it. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -33,7 +34,7 @@ int prefill_attention_built(void) {
 
 #if defined(__AVX512BF16__)
 /* o[r][x0, x0 + 16 nv) += p[r] . v over the block's KEYS keys, rows r0..r0+3; nv constant where
- * inlined. p: bf16 rows of KEYS; vp: the block's packed V (pack_block). */
+ * inlined. p: bf16 rows of KEYS; vp: the block's packed V (bf16_tiles.h's pack_values). */
 static inline __attribute__((always_inline)) void pv_tile(const uint16_t *p, const uint32_t *vp,
                                                           float *o, int d, int x0, const int nv) {
     __m512 acc[4][4];
