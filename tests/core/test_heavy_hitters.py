@@ -40,19 +40,16 @@ def dense_column_sums(q, k, scale):
 CHUNKS = [([97], 64), ([37, 1, 59], 80), ([64, 33], 128)]
 
 
-@pytest.mark.parametrize("impl", ["gemm", "gemm-eager", "tiles", "triton", "lse"])
+@pytest.mark.parametrize("impl", ["gemm", "gemm-eager", "tiles", "triton"])
 @pytest.mark.parametrize("gqa", [1, 4, 8])
 @pytest.mark.parametrize("chunks, head_dim", CHUNKS)
 @pytest.mark.parametrize("given_lse", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_chunked_column_sums_equal_one_pass(impl, gqa, chunks, head_dim, given_lse, dtype,
                                             monkeypatch, kernel_device):
-    """The CPU's GEMM tiles (compiled, and eager as in "torch" mode), the fp32 tiles, the
-    Triton kernel (what CUDA runs; interpreted on the CPU) and the C kernel that takes the rows'
-    LSE (bf16 on AVX512-BF16, where the chunk's attention ran in C) against the dense map, with
-    the rows' LSE computed inside or handed over from the prefill's exact attention."""
-    if impl == "lse" and not (given_lse and dtype == torch.bfloat16 and _c_sums_with_lse()):
-        pytest.skip("the C sums take a bf16 chunk's LSE, on a CPU with AVX512-BF16")
+    """The CPU's GEMM tiles (compiled, and eager as in "torch" mode), the fp32 tiles and the
+    Triton kernel (what CUDA runs; interpreted on the CPU) against the dense map, with the rows'
+    LSE computed inside or handed over from the prefill's exact attention."""
     if impl in ("gemm", "tiles"):  # (given the LSE of a bf16 chunk, the C kernel takes it)
         monkeypatch.setattr(native, "supports_column_sums_lse", lambda q, k: False)
     if impl == "gemm":  # the tiles a CPU without AMX runs (with AMX bf16 goes to the C kernel)
@@ -62,6 +59,16 @@ def test_chunked_column_sums_equal_one_pass(impl, gqa, chunks, head_dim, given_l
                             lambda q, k, scale, tile: heavy_hitters.chunk_column_sums_reference(
                                 q, k, scale))
     _check_chunked(impl, gqa, chunks, head_dim, given_lse, dtype, monkeypatch, kernel_device)
+
+
+@pytest.mark.skipif(not _c_sums_with_lse(), reason="needs AVX512-BF16")
+@pytest.mark.parametrize("gqa", [1, 4, 8])
+@pytest.mark.parametrize("chunks, head_dim", CHUNKS)
+def test_c_column_sums_from_the_lse_equal_one_pass(gqa, chunks, head_dim, monkeypatch):
+    """The C kernel that takes the rows' LSE (bf16 chunks whose attention ran in C), as the
+    engine calls it."""
+    _check_chunked("lse", gqa, chunks, head_dim, True, torch.bfloat16, monkeypatch,
+                   torch.device("cpu"))
 
 
 @pytest.mark.skipif(not _amx_tiles(), reason="needs AMX tiles")
