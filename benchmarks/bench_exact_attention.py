@@ -26,7 +26,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from vllm_shadowkv.backend.exact_attention import _vllm_cpu_attention, causal_attention
+from vllm_shadowkv.backend.exact_attention import (_vllm_cpu_attention, causal_attention,
+                                                   prefill_in_c)
 from vllm_shadowkv.core import ops
 
 # (query tokens, context tokens): whole-prompt prefills and later 2K chunks of a chunked one
@@ -128,7 +129,7 @@ def cpu_rows(reps: int) -> list[dict]:
         q = torch.randn(q_len, h_q, head_dim, dtype=torch.bfloat16)
         k, v = (torch.randn(s_len, h_kv, head_dim, dtype=torch.bfloat16) for _ in range(2))
         scale = head_dim ** -0.5
-        assert ops.prefill_in_c(q, k, v), "the C kernel does not run here (AVX512-BF16?)"
+        assert prefill_in_c(q, k, v), "the C kernel does not run here (AVX512-BF16, no AMX?)"
         engine = timed(lambda: causal_attention(q, k, v, scale), reps)
         vllm = timed(lambda: _vllm_cpu_attention(q, k, v, scale), reps)
         diff = (causal_attention(q, k, v, scale).float()

@@ -83,14 +83,20 @@ def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     return out[0].transpose(0, 1)
 
 
+def prefill_in_c(query, key, value) -> bool:
+    """Whether the CPU's causal attention of ``query`` over ``key``/``value`` runs in C
+    (``ops.prefill_in_c``), except where vLLM's kernel runs AMX tiles: there it keeps the call,
+    the two not having been compared on such a CPU."""
+    return (ops.prefill_in_c(query, key, value)
+            and _vllm_cpu_isa(query.dtype, query.shape[-1]) != "amx")
+
+
 def _cpu_causal_attention(query, key, value, scale) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`causal_attention` on the CPU -> (out, lse ``[Hkv, G, q]`` fp32 or None): bf16 in C on
-    AVX512-BF16 dot products (``native.prefill_attention``: 1.5-2x vLLM's CPU kernel, which
-    multiplies in fp32 without AMX tiles; benchmarks/RESULTS.md, "Prefill attention in C"),
-    else vLLM's own CPU kernel (no LSE), else torch's flash kernel. Where vLLM's kernel runs
-    AMX tiles it keeps the call: the two have not been compared on such a CPU."""
-    if (ops.prefill_in_c(query, key, value)
-            and _vllm_cpu_isa(query.dtype, query.shape[-1]) != "amx"):
+    AVX512-BF16 dot products where ``prefill_in_c`` (``native.prefill_attention``: 1.7-2.1x
+    vLLM's CPU kernel, which multiplies in fp32 without AMX tiles; benchmarks/RESULTS.md,
+    "Prefill attention in C"), else vLLM's own CPU kernel (no LSE), else torch's flash kernel."""
+    if prefill_in_c(query, key, value):
         out, lse = native.prefill_attention(query, key, value, scale)
         return out, lse.unflatten(0, (key.shape[1], -1))
     out = _vllm_cpu_attention(query, key, value, scale)
