@@ -5,13 +5,14 @@ Each patch checks that its target still has the shape it was written against and
 misbehaving. ``apply_all`` is idempotent (vLLM loads plugins several times per process).
 """
 
-from vllm_shadowkv.patches import (cpu_backend_selection, guess_config, guess_row,
-                                   kernel_warm_up, layer_kv_spec, model_runner_v1, pre_decode,
-                                   predicted_query, runner_requests, startup_validation)
+from vllm_shadowkv.patches import (cpu_backend_selection, cpu_seeded_sampling, guess_config,
+                                   guess_row, kernel_warm_up, layer_kv_spec, model_runner_v1,
+                                   pre_decode, predicted_query, runner_requests,
+                                   startup_validation)
 
 PATCHES = (cpu_backend_selection, startup_validation, runner_requests, layer_kv_spec,
            model_runner_v1, guess_row, pre_decode, guess_config, predicted_query,
-           kernel_warm_up)
+           kernel_warm_up, cpu_seeded_sampling)
 
 
 class PatchTargetChanged(RuntimeError):

@@ -188,7 +188,25 @@ def thousand_requests(model, method):
     return {"before": before, "after": pool_state(llm)}
 
 
-SCENARIOS = {f.__name__: f for f in (preemption, abort, store_full, reference, thousand_requests)}
+def seeded_sampling(model, method):
+    """A seeded request sampled alone (its prompt in one step) and again behind a prompt that
+    pushes its prefill into two steps, the first one's token discarded: on the CPU that
+    discard killed the engine (patches/cpu_seeded_sampling.py)."""
+    from vllm import SamplingParams
+
+    llm = engine(model, method, max_num_batched_tokens=1024)
+    # ~750 tokens (sparse) and ~400 (dense: a second long prompt would wait for the staging)
+    request, filler = text(130, 5), text(70, 6)
+    seeded = SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=16, ignore_eos=True)
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    alone = llm.generate([request], seeded, use_tqdm=False)[0]
+    behind = llm.generate([filler, request], [greedy, seeded], use_tqdm=False)[1]
+    return {"alone": list(alone.outputs[0].token_ids), "behind": list(behind.outputs[0].token_ids),
+            "after": pool_state(llm)}
+
+
+SCENARIOS = {f.__name__: f for f in (preemption, abort, store_full, reference, thousand_requests,
+                                     seeded_sampling)}
 
 if __name__ == "__main__":
     scenario, method, model, out = sys.argv[1:5]

@@ -1,5 +1,5 @@
 """Preemption, aborts, a full host store and 1,000 requests through the engine, for every
-method of the table.
+method of the table; seeded sampling across a chunked prefill.
 
 Each scenario runs in a fresh process (tests/integration/lifecycle.py) with the engine core
 in-process, so the scheduler's block pool is read directly.
@@ -74,3 +74,14 @@ def test_thousand_mixed_requests_leave_pool_and_store_empty(method, tiny_model, 
     assert_empty(result["after"])
     # long requests did use the store (the methods that have one)
     assert (result["after"]["store"]["allocated_bytes"] > 0) == uses_host_store(method)
+
+
+def test_seeded_request_survives_a_chunked_prefill(tiny_model, tmp_path):
+    """A seeded request gives the same tokens whether its prompt was prefilled in one step or
+    in two (the first step's sample discarded), and the engine lives: the runner's patch is the
+    same for every method, so one runs it."""
+    result = run("seeded_sampling", tiny_model, tmp_path, "shadowkv")
+    assert len(result["alone"]) == 16
+    assert result["behind"] == result["alone"]
+    assert result["after"]["finished_modes"] == ["dense", "sparse", "sparse"]
+    assert_empty(result["after"])
