@@ -205,8 +205,55 @@ def seeded_sampling(model, method):
             "after": pool_state(llm)}
 
 
+def random_load(model, method):
+    """Sixty requests arriving at random in a pool two blocks larger than one staged prompt:
+    long (compressed) and short prompts, greedy and seeded sampling, outputs of 1-200 tokens,
+    a few aborts; vLLM preempts and recomputes. Everything not aborted finishes and the pool and
+    the store end empty. Lengths are fixed (ignore_eos), so the schedule is the same on any
+    machine."""
+    import torch
+    from vllm import SamplingParams
+
+    from vllm_shadowkv.backend.layout import PageLayout
+    from vllm_shadowkv.config import parse_settings
+    from vllm_shadowkv.methods import METHODS
+    from vllm_shadowkv.methods.base import KVShapes
+
+    settings = small_budget(method, 64, 256) | {"max_staging_requests": 2}
+    cls = METHODS[method]
+    shapes = KVShapes(4, 64, torch.bfloat16, 128, num_layers=4, max_model_len=MAX_LEN)
+    layout = PageLayout(cls(parse_settings(cls.settings_cls, settings).resolved(shapes), shapes))
+    llm = engine(model, method, settings=settings, max_num_batched_tokens=256, max_num_seqs=8,
+                 num_gpu_blocks_override=layout.peak_blocks(MAX_LEN) + 2,
+                 disable_log_stats=False)  # for get_metrics()
+    eng, rng = llm.llm_engine, random.Random(1)
+    added, live, finished, aborted = 0, set(), [], []
+    while added < 60 or eng.has_unfinished_requests():
+        if added < 60 and rng.random() < 0.5:
+            long = rng.random() < 0.4
+            prompt = text(rng.randint(60, 150) if long else rng.randint(1, 30), 100 + added)
+            params = SamplingParams(temperature=rng.choice([0, 0.8]),
+                                    seed=rng.choice([None, added]),
+                                    max_tokens=rng.randint(1, 200), ignore_eos=True)
+            eng.add_request(f"r{added}", prompt, params)
+            live.add(f"r{added}")
+            added += 1
+        if live and rng.random() < 0.004:
+            victim = rng.choice(sorted(live))
+            eng.abort_request([victim])
+            live.discard(victim)
+            aborted.append(victim)
+        for out in eng.step():
+            if out.finished:
+                live.discard(out.request_id)
+                finished.append(out.request_id)
+    metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
+    return {"finished": finished, "aborted": aborted, "preemptions": metrics.get(
+        "vllm:num_preemptions"), "after": pool_state(llm)}
+
+
 SCENARIOS = {f.__name__: f for f in (preemption, abort, store_full, reference, thousand_requests,
-                                     seeded_sampling)}
+                                     seeded_sampling, random_load)}
 
 if __name__ == "__main__":
     scenario, method, model, out = sys.argv[1:5]

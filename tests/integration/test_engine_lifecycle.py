@@ -1,5 +1,5 @@
 """Preemption, aborts, a full host store and 1,000 requests through the engine, for every
-method of the table; seeded sampling across a chunked prefill.
+method of the table; random load; seeded sampling across a chunked prefill.
 
 Each scenario runs in a fresh process (tests/integration/lifecycle.py) with the engine core
 in-process, so the scheduler's block pool is read directly.
@@ -74,6 +74,17 @@ def test_thousand_mixed_requests_leave_pool_and_store_empty(method, tiny_model, 
     assert_empty(result["after"])
     # long requests did use the store (the methods that have one)
     assert (result["after"]["store"]["allocated_bytes"] > 0) == uses_host_store(method)
+
+
+@pytest.mark.parametrize("method", list(METHODS))
+def test_random_load_with_preemptions_and_aborts_leaves_pool_and_store_empty(method, tiny_model,
+                                                                           tmp_path):
+    result = run("random_load", tiny_model, tmp_path, method)
+    assert len(result["finished"]) + len(result["aborted"]) == 60
+    assert not set(result["finished"]) & set(result["aborted"])
+    assert result["preemptions"] > 0
+    assert "sparse" in result["after"]["finished_modes"]
+    assert_empty(result["after"])
 
 
 def test_seeded_request_survives_a_chunked_prefill(tiny_model, tmp_path):
