@@ -210,7 +210,7 @@ def random_load(model, method):
     long (compressed) and short prompts, greedy and seeded sampling, outputs of 1-200 tokens,
     a few aborts; vLLM preempts and recomputes. Everything not aborted finishes and the pool and
     the store end empty. Lengths are fixed (ignore_eos), so the schedule is the same on any
-    machine."""
+    machine. ``specache+speculative``: SpeCache with its guess row (speculative decoding)."""
     import torch
     from vllm import SamplingParams
 
@@ -219,7 +219,9 @@ def random_load(model, method):
     from vllm_shadowkv.methods import METHODS
     from vllm_shadowkv.methods.base import KVShapes
 
+    method, _, prefetch = method.partition("+")
     settings = small_budget(method, 64, 256) | {"max_staging_requests": 2}
+    settings |= {"prefetch": prefetch} if prefetch else {}
     cls = METHODS[method]
     shapes = KVShapes(4, 64, torch.bfloat16, 128, num_layers=4, max_model_len=MAX_LEN)
     layout = PageLayout(cls(parse_settings(cls.settings_cls, settings).resolved(shapes), shapes))
@@ -248,8 +250,10 @@ def random_load(model, method):
                 live.discard(out.request_id)
                 finished.append(out.request_id)
     metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
-    return {"finished": finished, "aborted": aborted, "preemptions": metrics.get(
-        "vllm:num_preemptions"), "after": pool_state(llm)}
+    return {"finished": finished, "aborted": aborted, "after": pool_state(llm),
+            "metrics": {k: v for k, v in metrics.items() if k in (
+                "vllm:num_preemptions", "vllm:spec_decode_num_drafts",
+                "vllm:spec_decode_num_accepted_tokens")}}
 
 
 SCENARIOS = {f.__name__: f for f in (preemption, abort, store_full, reference, thousand_requests,

@@ -76,13 +76,17 @@ def test_thousand_mixed_requests_leave_pool_and_store_empty(method, tiny_model, 
     assert (result["after"]["store"]["allocated_bytes"] > 0) == uses_host_store(method)
 
 
-@pytest.mark.parametrize("method", list(METHODS))
+@pytest.mark.parametrize("method", list(METHODS) + ["specache+speculative"])
 def test_random_load_with_preemptions_and_aborts_leaves_pool_and_store_empty(method, tiny_model,
                                                                            tmp_path):
     result = run("random_load", tiny_model, tmp_path, method)
     assert len(result["finished"]) + len(result["aborted"]) == 60
     assert not set(result["finished"]) & set(result["aborted"])
-    assert result["preemptions"] > 0
+    metrics = result["metrics"]
+    assert metrics["vllm:num_preemptions"] > 0
+    if method.endswith("+speculative"):  # guess rows ran, none accepted
+        assert metrics["vllm:spec_decode_num_drafts"] > 0
+        assert metrics["vllm:spec_decode_num_accepted_tokens"] == 0
     assert "sparse" in result["after"]["finished_modes"]
     assert_empty(result["after"])
 
