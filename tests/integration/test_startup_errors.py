@@ -78,6 +78,13 @@ def test_an_explicit_v2_runner_or_graph_partition_is_refused(tiny_model, monkeyp
         engine_config(tiny_model)
 
 
+def test_pipeline_parallelism_is_refused(tiny_model):
+    with pytest.raises(ValueError, match=r"does not support pipeline parallelism "
+                                         r"\(--pipeline-parallel-size 2\); split the model with "
+                                         r"--tensor-parallel-size"):
+        engine_config(tiny_model, pipeline_parallel_size=2)
+
+
 def test_the_triton_kernel_path_on_the_cpu_needs_the_interpreter(tiny_model, monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError, match="kernels 'triton' on cpu needs TRITON_INTERPRET=1"):

@@ -79,9 +79,10 @@ def validate_engine(vllm_config, method: str) -> Stamp:
     settings.check_engine(shapes)
     check_kernels(settings, method)
     check_runner(vllm_config, method)
+    check_parallel(vllm_config.parallel_config, method)
     check_speculative(vllm_config, settings, method)
     settings = settings.resolved(shapes)
-    world = parallel.tensor_parallel_size * parallel.pipeline_parallel_size
+    world = parallel.tensor_parallel_size
     check_kv_offloading(vllm_config, method)
     store, source = store_capacity(settings, cache_config, world)
     stamp = Stamp(method, settings, store)
@@ -110,6 +111,17 @@ def check_runner(vllm_config, method: str) -> None:
             "captured graphs would write the KV cache without the engine's per-step metadata; "
             "remove it from --compilation-config")
     logger.info("%s: running on vLLM's Model Runner V1", method)
+
+
+def check_parallel(parallel, method: str) -> None:
+    """Tensor parallelism only: the per-layer policies (MiniKV's budgets, TailorKV's q_layers)
+    index a worker's layers as the model's, and no pipeline-parallel run was ever tested (vLLM
+    0.32's CPU runner fails one even with its own backend)."""
+    if parallel.pipeline_parallel_size > 1:
+        raise SettingsError(
+            f"the {method} attention backend does not support pipeline parallelism "
+            f"(--pipeline-parallel-size {parallel.pipeline_parallel_size}); split the model "
+            "with --tensor-parallel-size instead")
 
 
 def check_speculative(vllm_config, settings, method: str) -> None:
