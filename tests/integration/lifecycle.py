@@ -31,6 +31,20 @@ def small_budget(method, budget, min_sparse_len):
     return METHODS[method].covering_settings(KEY_WIDTH, budget) | {"min_sparse_len": min_sparse_len}
 
 
+def page_layout(method, settings, max_len=MAX_LEN):
+    """The method's pages on the tiny model (4 layers, 4 KV heads x 64, blocks of 128)."""
+    import torch
+
+    from vllm_shadowkv.backend.layout import PageLayout
+    from vllm_shadowkv.config import parse_settings
+    from vllm_shadowkv.methods import METHODS
+    from vllm_shadowkv.methods.base import KVShapes
+
+    cls = METHODS[method]
+    shapes = KVShapes(4, 64, torch.bfloat16, 128, num_layers=4, max_model_len=max_len)
+    return PageLayout(cls(parse_settings(cls.settings_cls, settings).resolved(shapes), shapes))
+
+
 def text(num_words, seed):
     rng = random.Random(seed)
     return " ".join(rng.choice(WORDS) for _ in range(num_words))
@@ -83,23 +97,14 @@ def greedy(llm, prompts, max_tokens):
 
 def preemption(model, method):
     """Too few pages for every request's growth: vLLM preempts and later recomputes."""
-    import torch
     from transformers import AutoTokenizer
-
-    from vllm_shadowkv.backend.layout import PageLayout
-    from vllm_shadowkv.config import parse_settings
-    from vllm_shadowkv.methods import METHODS
-    from vllm_shadowkv.methods.base import KVShapes
 
     # SpeCache's 1-bit pages hold a request's generated tokens in a few blocks: with slots for
     # the whole prompt, the resident requests are large enough that their growth collides.
     settings = small_budget(method, 768 if method == "specache" else 64, 256)
     prompts = [text(*p) for p in PREEMPT_PROMPTS]
     first, second = (len(AutoTokenizer.from_pretrained(model)(p).input_ids) for p in prompts)
-    shapes = KVShapes(4, 64, torch.bfloat16, 128, num_layers=4, max_model_len=768)
-    cls = METHODS[method]
-    resolved = parse_settings(cls.settings_cls, settings).resolved(shapes)
-    layout = PageLayout(cls(resolved, shapes))
+    layout = page_layout(method, settings, max_len=768)
     # Room for the first request compressed and the second while it is compressed (+ the null
     # block and one generated page): both are admitted, then their generated pages collide.
     # (The pool must also hold one max_model_len prompt while it is staged: vLLM's start-up check.)
@@ -150,17 +155,7 @@ def store_full(model, method):
 
 
 def one_request_store_gib(method) -> float:
-    import torch
-
-    from vllm_shadowkv.backend.layout import PageLayout
-    from vllm_shadowkv.config import parse_settings
-    from vllm_shadowkv.methods import METHODS
-    from vllm_shadowkv.methods.base import KVShapes
-
-    cls = METHODS[method]
-    shapes = KVShapes(4, 64, torch.bfloat16, 128, num_layers=4, max_model_len=MAX_LEN)
-    settings = parse_settings(cls.settings_cls, full(method)).resolved(shapes)
-    return max(PageLayout(cls(settings, shapes)).store_bytes(MAX_LEN), 1 << 20) / 2**30
+    return max(page_layout(method, full(method)).store_bytes(MAX_LEN), 1 << 20) / 2**30
 
 
 def reference(model, method=None):
@@ -211,22 +206,14 @@ def random_load(model, method):
     a few aborts; vLLM preempts and recomputes. Everything not aborted finishes and the pool and
     the store end empty. Lengths are fixed (ignore_eos), so the schedule is the same on any
     machine. ``specache+speculative``: SpeCache with its guess row (speculative decoding)."""
-    import torch
     from vllm import SamplingParams
-
-    from vllm_shadowkv.backend.layout import PageLayout
-    from vllm_shadowkv.config import parse_settings
-    from vllm_shadowkv.methods import METHODS
-    from vllm_shadowkv.methods.base import KVShapes
 
     method, _, prefetch = method.partition("+")
     settings = small_budget(method, 64, 256) | {"max_staging_requests": 2}
     settings |= {"prefetch": prefetch} if prefetch else {}
-    cls = METHODS[method]
-    shapes = KVShapes(4, 64, torch.bfloat16, 128, num_layers=4, max_model_len=MAX_LEN)
-    layout = PageLayout(cls(parse_settings(cls.settings_cls, settings).resolved(shapes), shapes))
+    staged = page_layout(method, settings).peak_blocks(MAX_LEN)
     llm = engine(model, method, settings=settings, max_num_batched_tokens=256, max_num_seqs=8,
-                 num_gpu_blocks_override=layout.peak_blocks(MAX_LEN) + 2,
+                 num_gpu_blocks_override=staged + 2,
                  disable_log_stats=False)  # for get_metrics()
     eng, rng = llm.llm_engine, random.Random(1)
     added, live, finished, aborted = 0, set(), [], []
