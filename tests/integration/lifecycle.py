@@ -193,9 +193,9 @@ def seeded_sampling(model, method):
     # ~750 tokens (sparse) and ~400 (dense: a second long prompt would wait for the staging)
     request, filler = text(130, 5), text(70, 6)
     seeded = SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=16, ignore_eos=True)
-    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    unseeded = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     alone = llm.generate([request], seeded, use_tqdm=False)[0]
-    behind = llm.generate([filler, request], [greedy, seeded], use_tqdm=False)[1]
+    behind = llm.generate([filler, request], [unseeded, seeded], use_tqdm=False)[1]
     return {"alone": list(alone.outputs[0].token_ids), "behind": list(behind.outputs[0].token_ids),
             "after": pool_state(llm)}
 

@@ -82,9 +82,8 @@ def validate_engine(vllm_config, method: str) -> Stamp:
     check_parallel(vllm_config.parallel_config, method)
     check_speculative(vllm_config, settings, method)
     settings = settings.resolved(shapes)
-    world = parallel.tensor_parallel_size
     check_kv_offloading(vllm_config, method)
-    store, source = store_capacity(settings, cache_config, world)
+    store, source = store_capacity(settings, cache_config, parallel.tensor_parallel_size)
     stamp = Stamp(method, settings, store)
     check_store_fits(PageLayout(stamp.build(shapes)), store, source, method)
     if cache_config.kv_offloading_size is not None and settings.value_store_gib is None:

@@ -15,13 +15,13 @@ tiles, 2.7-3.9x the GEMM tiles' speed). Elsewhere on the CPU (``gemm_column_sums
 whole rows (a few query tokens of one KV head's group, all their keys) is one 16-bit GEMM whose
 logits come out centred: an extra channel subtracts an estimate of each row's largest logit
 inside the GEMM, so the bf16 output rounds each logit to 2^-9 of its distance from that
-estimate, not of its size. The tile then normalises its rows itself. At Llama-3.1-8B shapes they cost 1.2-1.5x vLLM's
-attention of the same chunks: MiniKV's prefill attention work 2.1-2.6x the default's, where
-torch's flash kernel with the LSE and a transposed flash pass for the sums cost 4.4-5.3x
-(benchmarks/bench_heavy_hitters.py). On CUDA (and in "triton" kernel mode) a Triton kernel takes
-them (triton_kernels/heavy_hitter_kernels.py) with the LSE the engine's paged prefill kernel
-gives; the reference takes the logits in fp32 tiles of QUERY_BLOCK x KEY_BLOCK:
-``chunk_column_sums_reference``.
+estimate, not of its size. The tile then normalises its rows itself. At Llama-3.1-8B shapes
+they cost 1.2-1.5x vLLM's attention of the same chunks: MiniKV's prefill attention work
+2.1-2.6x the default's, where torch's flash kernel with the LSE and a transposed flash pass for
+the sums cost 4.4-5.3x (benchmarks/bench_heavy_hitters.py). On CUDA (and in "triton" kernel
+mode) a Triton kernel takes them (triton_kernels/heavy_hitter_kernels.py) with the LSE the
+engine's paged prefill kernel gives; the reference takes the logits in fp32 tiles of
+QUERY_BLOCK x KEY_BLOCK: ``chunk_column_sums_reference``.
 """
 
 import torch
