@@ -28,7 +28,7 @@ def apply() -> None:
         from vllm_shadowkv.backend.worker_state import STATE
 
         STATE.runner_ref = weakref.ref(self)
-        STATE.release(released_requests(scheduler_output))
+        STATE.release(*released_requests(scheduler_output))
         STATE.guesses = guess_rows(self, scheduler_output)
         STATE.report(_logger())
         return original(self, scheduler_output)
@@ -44,11 +44,11 @@ def _logger():
     return init_logger("vllm.vllm_shadowkv")
 
 
-def released_requests(scheduler_output) -> set[str]:
-    released = set(scheduler_output.finished_req_ids)
-    released |= scheduler_output.preempted_req_ids or set()
-    released |= scheduler_output.scheduled_cached_reqs.resumed_req_ids
-    return released
+def released_requests(scheduler_output) -> tuple[set[str], set[str]]:
+    """(ended: finished or aborted, suspended: preempted or resumed) request ids."""
+    suspended = set(scheduler_output.preempted_req_ids or ())
+    suspended |= scheduler_output.scheduled_cached_reqs.resumed_req_ids
+    return set(scheduler_output.finished_req_ids), suspended
 
 
 def guess_rows(runner, scheduler_output) -> dict[str, int]:

@@ -35,8 +35,9 @@ class EngineWorkerExtension:
                 "use_v2_model_runner": self.vllm_config.use_v2_model_runner}
 
     def kv_compression_stats(self) -> dict:
-        """Per-request mode and selection traffic (live and recently finished requests), and
-        the host store's occupancy, on this worker."""
+        """Per-request mode and selection traffic (live, preempted and recently finished
+        requests), the host store's occupancy, and the counters /metrics reads, on this
+        worker."""
         from dataclasses import asdict
 
         from vllm_shadowkv.backend.worker_state import STATE
@@ -51,7 +52,9 @@ class EngineWorkerExtension:
             "method": STATE.engine.stamp.method if STATE.engine else None,
             "settings": STATE.engine.stamp.settings.as_dict() if STATE.engine else None,
             "requests": {req_id: row(s) for req_id, s in STATE.requests.items()},
+            "suspended": {req_id: row(s) for req_id, s in STATE.suspended.items()},
             "finished": {req_id: row(s) for req_id, s in STATE.finished},
+            "counters": STATE.snapshot() if STATE.engine else None,
             "store": {
                 "used_bytes": sum(s.used_bytes for s in stores),
                 "allocated_bytes": sum(s.allocated_bytes for s in stores),

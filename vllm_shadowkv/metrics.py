@@ -47,20 +47,27 @@ class EngineCollector:
         self.stats_dir = stats_dir
 
     def _totals(self) -> dict[str, dict[str, float]]:
-        """Per method, the workers' counters combined."""
-        totals: dict[str, dict[str, float]] = {}
+        """Per method, the workers' counters combined. Every tensor-parallel rank of an engine
+        runs every request of that engine (on its own KV heads): request counts are taken once
+        per engine (data-parallel rank) and added over engines; traffic and store bytes add up
+        over all workers."""
+        engines: dict[tuple[str, int], dict[str, float]] = {}
         for path in glob.glob(os.path.join(self.stats_dir, "worker-*.json")):
             try:
                 with open(path) as f:
                     snap = json.load(f)
             except (OSError, ValueError):
                 continue  # a worker replacing its file right now
-            method = totals.setdefault(snap.pop("method", "unknown"), {})
+            engine = engines.setdefault(
+                (snap.pop("method", "unknown"), snap.pop("data_parallel_rank", 0)), {})
             for key, value in snap.items():
-                # Every tensor-parallel rank runs every request (on its own KV heads): request
-                # counts are the same on all ranks, traffic and store bytes add up.
                 combine = max if key.startswith(("running_", "finished_")) else sum
-                method[key] = combine((method.get(key, 0), value))
+                engine[key] = combine((engine.get(key, 0), value))
+        totals: dict[str, dict[str, float]] = {}
+        for (method, _), values in engines.items():
+            combined = totals.setdefault(method, {})
+            for key, value in values.items():
+                combined[key] = combined.get(key, 0) + value
         return totals
 
     def collect(self):

@@ -80,6 +80,11 @@ def pool_state(llm):
         "manager_tracked": sum(len(getattr(m, "prompt_len", {})) + len(getattr(m, "staging", ()))
                                + len(getattr(m, "store_reserved", {})) for m in single),
         "finished_modes": sorted(s["mode"] for s in stats["finished"].values()),
+        "finished_ids": sorted(stats["finished"]),
+        "finished_counted": sum(stats["counters"][f"finished_{mode}"]
+                                for mode in ("sparse", "dense")),
+        "preemptions_counted": sum(s["preemptions"] for s in stats["finished"].values()),
+        "suspended": len(stats["suspended"]),
     }
 
 

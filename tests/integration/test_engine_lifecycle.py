@@ -33,6 +33,7 @@ def assert_empty(state):
     assert state["free_blocks"] == state["total_blocks"] - 1  # all but vLLM's null block
     assert state["store"]["used_bytes"] == 0 and state["store"]["num_keys"] == 0
     assert state["compressed_requests"] == 0 and state["manager_tracked"] == 0
+    assert state["suspended"] == 0
 
 
 @pytest.fixture(scope="module")
@@ -87,8 +88,14 @@ def test_random_load_with_preemptions_and_aborts_leaves_pool_and_store_empty(met
     if method.endswith("+speculative"):  # guess rows ran, none accepted
         assert metrics["vllm:spec_decode_num_drafts"] > 0
         assert metrics["vllm:spec_decode_num_accepted_tokens"] == 0
-    assert "sparse" in result["after"]["finished_modes"]
-    assert_empty(result["after"])
+    after = result["after"]
+    assert "sparse" in after["finished_modes"]
+    # Each request counted once however often it was preempted, every preemption recorded
+    assert after["finished_counted"] == len(after["finished_modes"])
+    # (vLLM appends a suffix to the ids the engine sees)
+    assert set(result["finished"]) <= {i.rsplit("-", 1)[0] for i in after["finished_ids"]}
+    assert after["preemptions_counted"] == metrics["vllm:num_preemptions"]
+    assert_empty(after)
 
 
 def test_seeded_request_survives_a_chunked_prefill(tiny_model, tmp_path):

@@ -27,3 +27,22 @@ def test_no_series_without_a_method_running(tmp_path):
     metrics = {m.name: list(m.samples) for m in EngineCollector(str(tmp_path)).collect()}
     assert all(samples == [] for samples in metrics.values())
 
+
+
+def test_collector_adds_up_data_parallel_engines(tmp_path):
+    """Each data-parallel engine runs its own requests: two engines of two TP ranks each."""
+    base = {"method": "shadowkv", "running_sparse": 1, "running_dense": 0, "finished_sparse": 3,
+            "finished_dense": 2, "selected": 10, "hits": 4, "bytes_fetched": 100,
+            "store_used_bytes": 0, "store_capacity_bytes": 8192}
+    snaps = [base | {"data_parallel_rank": 0}, base | {"data_parallel_rank": 0},
+             base | {"data_parallel_rank": 1, "finished_sparse": 4},
+             base | {"data_parallel_rank": 1, "finished_sparse": 4}]
+    for i, snap in enumerate(snaps):
+        (tmp_path / f"worker-{i}.json").write_text(json.dumps(snap))
+    metrics = {m.name: {tuple(s.labels.values()): s.value for s in m.samples}
+               for m in EngineCollector(str(tmp_path)).collect()}
+    assert metrics["kv_compression_requests_running"][("shadowkv", "sparse")] == 2
+    assert metrics["kv_compression_requests_finished"][("shadowkv", "sparse")] == 7
+    assert metrics["kv_compression_requests_finished"][("shadowkv", "dense")] == 4
+    assert metrics["kv_compression_selected_rows"][("shadowkv",)] == 40
+    assert metrics["kv_compression_host_store_capacity_bytes"][("shadowkv",)] == 4 * 8192

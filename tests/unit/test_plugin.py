@@ -99,7 +99,7 @@ def test_patches_are_installed_on_the_live_vllm():
         assert worker.compile_or_warm_up_model._shadowkv_original is not None
 
 
-def test_released_requests_are_finished_preempted_and_resumed():
+def test_released_requests_are_ended_or_suspended():
     from types import SimpleNamespace
 
     from vllm_shadowkv.patches.runner_requests import released_requests
@@ -107,9 +107,9 @@ def test_released_requests_are_finished_preempted_and_resumed():
     output = SimpleNamespace(
         finished_req_ids={"done", "aborted"}, preempted_req_ids={"pre"},
         scheduled_cached_reqs=SimpleNamespace(resumed_req_ids={"resumed"}))
-    assert released_requests(output) == {"done", "aborted", "pre", "resumed"}
+    assert released_requests(output) == ({"done", "aborted"}, {"pre", "resumed"})
     output.preempted_req_ids = None
-    assert released_requests(output) == {"done", "aborted", "resumed"}
+    assert released_requests(output) == ({"done", "aborted"}, {"resumed"})
 
 
 def test_kv_spec_is_registered_with_its_manager():

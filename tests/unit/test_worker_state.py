@@ -36,7 +36,8 @@ def test_snapshot_file_at_once_on_lifecycle_and_throttled_while_counters_grow(tm
     clock = [100.0]
     monkeypatch.setattr(worker_state.time, "monotonic", lambda: clock[0])
     state = WorkerState()
-    state.engine = SimpleNamespace(stamp=SimpleNamespace(method="shadowkv", store_bytes=1 << 30))
+    state.engine = SimpleNamespace(stamp=SimpleNamespace(method="shadowkv", store_bytes=1 << 30),
+                                   data_parallel_rank=0)
 
     def written():
         (path,) = tmp_path.glob("worker-*.json")
@@ -58,3 +59,29 @@ def test_snapshot_file_at_once_on_lifecycle_and_throttled_while_counters_grow(tm
     clock[0] += 0.1
     state.report(Mock())
     assert written()["finished_sparse"] == 1 and written()["selected"] == 30
+
+
+def test_a_preempted_request_is_counted_once_with_all_its_traffic():
+    """Preempted (its rows freed, recomputed later) is not finished: the stats wait for the
+    request to run again and are counted when it finishes or is aborted."""
+    from types import SimpleNamespace
+
+    from vllm_shadowkv.backend.worker_state import WorkerState
+
+    state = WorkerState()
+    state.engine = SimpleNamespace(stamp=SimpleNamespace(method="shadowkv", store_bytes=1 << 30),
+                                   data_parallel_rank=1)
+    state.request("a", 2048, sparse=True).selected = 10
+    state.request("b", 2048, sparse=True).selected = 5
+    state.release(ended=(), suspended=["a", "b"])
+    snap = state.snapshot()
+    assert (snap["running_sparse"], snap["finished_sparse"], snap["selected"]) == (0, 0, 15)
+    state.release(ended=(), suspended=["a"])  # resumed: released again before it runs
+    assert state.request("a", 2048, sparse=True).selected == 10  # taken back
+    state.requests["a"].selected += 7
+    state.release(ended=["a", "b"])  # a finishes; b is aborted while waiting
+    snap = state.snapshot()
+    assert (snap["running_sparse"], snap["finished_sparse"], snap["selected"]) == (0, 2, 22)
+    assert snap["data_parallel_rank"] == 1
+    assert {req_id: s.preemptions for req_id, s in state.finished} == {"a": 1, "b": 1}
+    assert not state.requests and not state.suspended

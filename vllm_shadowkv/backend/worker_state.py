@@ -26,6 +26,7 @@ LOG_EVERY_S = 10.0
 # requests grew, at most this often (writing it every step cost 0.5-0.8 ms of a decode step).
 WRITE_EVERY_S = 1.0
 LIFECYCLE = ("running_sparse", "running_dense", "finished_sparse", "finished_dense")
+TRAFFIC = ("selected", "hits", "bytes_fetched")  # cumulative selection traffic of requests
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,7 @@ class EngineFacts:
     stamp: Stamp
     max_model_len: int
     num_layers: int  # attention layers on this worker
+    data_parallel_rank: int = 0  # the engine this worker belongs to, for the metrics
 
     @classmethod
     def from_vllm_config(cls, vllm_config) -> "EngineFacts":
@@ -44,8 +46,12 @@ class EngineFacts:
             raise RuntimeError("vllm-shadowkv: the engine backend was built without the front "
                                "end's start-up check (no method stamp in additional_config)")
         model_config = vllm_config.model_config
+        parallel = vllm_config.parallel_config
         return cls(stamp=stamp, max_model_len=model_config.max_model_len,
-                   num_layers=model_config.get_num_layers(vllm_config.parallel_config))
+                   num_layers=model_config.get_num_layers(parallel),
+                   # the engine's index: dense models' DP engines run as DP=1 with rank 0
+                   data_parallel_rank=getattr(parallel, "data_parallel_index",
+                                              parallel.data_parallel_rank))
 
 
 @dataclass
@@ -55,6 +61,7 @@ class RequestStats:
     mode: str = "dense"  # "dense" (exact attention) or "sparse" (compressed by the method)
     prompt_len: int = 0
     decode_steps: int = 0  # compressed decode calls, over layers
+    preemptions: int = 0  # times vLLM preempted it (each time it was recomputed from scratch)
     selected: int = 0  # selected store rows (ShadowKV: chunks), over KV heads and layers
     hits: int = 0  # of which resident from the previous step
     bytes_fetched: int = 0  # moved from the host store
@@ -97,6 +104,8 @@ class WorkerState:
     # request id -> layers whose prompt is compressed (values in the store)
     compressed: dict[str, set[int]] = field(default_factory=dict)
     requests: dict[str, RequestStats] = field(default_factory=dict)
+    # Preempted requests waiting to be recomputed: their stats carry on when they resume
+    suspended: dict[str, RequestStats] = field(default_factory=dict)
     # This step's guess rows per request id (SpeCache's second query row, never committed):
     # the scheduled draft tokens when the runner's drafter is the guess proposer that rejects
     # every guess. Other drafts may be accepted, so their rows are written like any other.
@@ -144,28 +153,42 @@ class WorkerState:
         return list(batch.req_ids[:num_reqs]), batch.num_prompt_tokens[:num_reqs].tolist()
 
     def request(self, req_id: str, prompt_len: int, sparse: bool) -> RequestStats:
-        """The request's stats, created the first time a layer sees it."""
+        """The request's stats, created the first time a layer sees it (or taken back from
+        before its preemption)."""
         stats = self.requests.get(req_id)
         if stats is None:
-            mode = "sparse" if sparse else "dense"
-            stats = self.requests[req_id] = RequestStats(mode=mode, prompt_len=prompt_len)
+            stats = self.suspended.pop(req_id, None)
+            if stats is None:
+                stats = RequestStats(mode="sparse" if sparse else "dense", prompt_len=prompt_len)
+            self.requests[req_id] = stats
         return stats
 
-    def release(self, req_ids: Iterable[str]) -> None:
-        """Finished, aborted or preempted: the request's rows leave the host store."""
-        for req_id in req_ids:
-            for method in self.methods:
-                method.release(req_id)
-            for layer in self.compressed.pop(req_id, ()):
-                for store in self._stores.values():
-                    store.free((req_id, layer))
-                self.reference_kv.pop((req_id, layer), None)
+    def release(self, ended: Iterable[str], suspended: Iterable[str] = ()) -> None:
+        """The requests' rows leave the host store. ``ended`` (finished or aborted) are counted
+        as finished; ``suspended`` (preempted, or resumed: recomputed from scratch) keep their
+        stats for when they run again, so a preempted request is counted once."""
+        for req_id in suspended:
+            self._free(req_id)
             stats = self.requests.pop(req_id, None)
+            if stats is not None:
+                stats.preemptions += 1
+                self.suspended[req_id] = stats
+        for req_id in ended:
+            self._free(req_id)
+            stats = self.requests.pop(req_id, None) or self.suspended.pop(req_id, None)
             if stats is not None:
                 self.finished.append((req_id, stats))
                 self.totals[f"finished_{stats.mode}"] += 1
-                for key in ("selected", "hits", "bytes_fetched"):
+                for key in TRAFFIC:
                     self.totals[key] += getattr(stats, key)
+
+    def _free(self, req_id: str) -> None:
+        for method in self.methods:
+            method.release(req_id)
+        for layer in self.compressed.pop(req_id, ()):
+            for store in self._stores.values():
+                store.free((req_id, layer))
+            self.reference_kv.pop((req_id, layer), None)
 
     def snapshot(self) -> dict:
         """Counters and gauges for metrics: cumulative over all requests, live ones included."""
@@ -177,9 +200,11 @@ class WorkerState:
             "finished_sparse": self.totals["finished_sparse"],
             "finished_dense": self.totals["finished_dense"],
             "store_used_bytes": used, "store_capacity_bytes": capacity,
+            "data_parallel_rank": self.engine.data_parallel_rank,
         }
-        for key in ("selected", "hits", "bytes_fetched"):
-            snap[key] = self.totals[key] + sum(getattr(s, key) for s in self.requests.values())
+        unfinished = [*self.requests.values(), *self.suspended.values()]
+        for key in TRAFFIC:
+            snap[key] = self.totals[key] + sum(getattr(s, key) for s in unfinished)
         return snap
 
     def report(self, logger) -> None:
