@@ -88,7 +88,7 @@ def pool_state(llm):
     }
 
 
-def greedy(llm, prompts, max_tokens):
+def greedy(llm, prompts, max_tokens, lora_request=None):
     from vllm import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=5)
@@ -96,8 +96,29 @@ def greedy(llm, prompts, max_tokens):
         {"token_ids": list(o.outputs[0].token_ids),
          "logprobs": [{str(t): lp.logprob for t, lp in step.items()}
                       for step in o.outputs[0].logprobs]}
-        for o in llm.generate(prompts, params, use_tqdm=False)
+        for o in llm.generate(prompts, params, use_tqdm=False, lora_request=lora_request)
     ]
+
+
+def lora_adapter(path, rank=8):
+    """A PEFT LoRA adapter for the tiny model's q, v and o projections, random but fixed."""
+    import torch
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    shapes = {"q_proj": (1024, 256), "v_proj": (256, 256), "o_proj": (256, 1024)}  # (out, in)
+    weights = {}
+    for layer in range(4):
+        for name, (out, inp) in shapes.items():
+            prefix = f"base_model.model.model.layers.{layer}.self_attn.{name}"
+            weights[f"{prefix}.lora_A.weight"] = torch.randn(rank, inp) * 0.05
+            weights[f"{prefix}.lora_B.weight"] = torch.randn(out, rank) * 0.05
+    path.mkdir(exist_ok=True)
+    save_file(weights, str(path / "adapter_model.safetensors"))
+    (path / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": 2 * rank,
+        "target_modules": list(shapes), "bias": "none"}))
+    return str(path)
 
 
 def preemption(model, method):
@@ -205,6 +226,34 @@ def seeded_sampling(model, method):
             "after": pool_state(llm)}
 
 
+def serving_features(model, method):
+    """A long (compressed) and a short request with a LoRA adapter and without, mixed in one
+    batch; parallel sampling (n=2); structured output (a choice). ``none``: vLLM's default."""
+    from pathlib import Path
+
+    from vllm import SamplingParams
+    from vllm.lora.request import LoRARequest
+    from vllm.sampling_params import StructuredOutputsParams
+
+    # Prompts in one step each: vLLM's default backend dies on a seeded chunked prefill on the
+    # CPU (patches/cpu_seeded_sampling.py). Two LoRA slots: with one, vLLM 0.32's CPU runner
+    # applies the adapter to the base requests of a mixed batch too, under any backend.
+    llm = engine(model, None if method == "none" else method, enable_lora=True, max_lora_rank=8,
+                 max_loras=2)
+    lora = LoRARequest("adapter", 1, lora_adapter(Path("adapter")))
+    prompts = [text(130, 11), text(12, 12)]  # ~750 tokens (sparse) and ~70 (dense)
+    sampled = llm.generate(prompts[:1], SamplingParams(n=2, temperature=0.8, seed=3, max_tokens=8,
+                                                       ignore_eos=True), use_tqdm=False)[0]
+    choices = ["alpha beta gamma", "delta epsilon"]
+    chosen = llm.generate(prompts[:1], SamplingParams(
+        temperature=0, max_tokens=20, structured_outputs=StructuredOutputsParams(choice=choices)),
+        use_tqdm=False)[0]
+    return {"base": greedy(llm, prompts, 16), "lora": greedy(llm, prompts, 16, lora),
+            "mixed": greedy(llm, prompts, 16, [lora, None]),
+            "n2": [len(c.token_ids) for c in sampled.outputs], "choice": chosen.outputs[0].text,
+            "choices": choices, "after": pool_state(llm) if method != "none" else None}
+
+
 def random_load(model, method):
     """Sixty requests arriving at random in a pool two blocks larger than one staged prompt:
     long (compressed) and short prompts, greedy and seeded sampling, outputs of 1-200 tokens,
@@ -249,7 +298,7 @@ def random_load(model, method):
 
 
 SCENARIOS = {f.__name__: f for f in (preemption, abort, store_full, reference, thousand_requests,
-                                     seeded_sampling, random_load)}
+                                     seeded_sampling, random_load, serving_features)}
 
 if __name__ == "__main__":
     scenario, method, model, out = sys.argv[1:5]

@@ -107,3 +107,26 @@ def test_seeded_request_survives_a_chunked_prefill(tiny_model, tmp_path):
     assert result["behind"] == result["alone"]
     assert result["after"]["finished_modes"] == ["dense", "sparse", "sparse"]
     assert_empty(result["after"])
+
+
+@pytest.fixture(scope="module")
+def default_features(tiny_model, tmp_path_factory):
+    return run("serving_features", tiny_model, tmp_path_factory.mktemp("features"))
+
+
+@pytest.mark.parametrize("method", list(METHODS))
+def test_lora_parallel_sampling_and_structured_output(method, default_features, tiny_model,
+                                                      tmp_path):
+    """With covering settings a LoRA adapter changes the output exactly as under the default
+    backend, alone and mixed with base requests in one batch (the long prompt compressed);
+    n=2 and a structured choice complete."""
+    result = run("serving_features", tiny_model, tmp_path, method)
+    default = default_features
+    assert default["lora"] != default["base"]  # the adapter is applied
+    assert default["mixed"] == [default["lora"][0], default["base"][1]]
+    for key in ("base", "lora", "mixed"):
+        assert_greedy_close(default[key], result[key], ("default", method))
+    assert result["n2"] == [8, 8]
+    assert result["choice"] in result["choices"]
+    assert "sparse" in result["after"]["finished_modes"]
+    assert_empty(result["after"])
