@@ -29,7 +29,7 @@ setup(
     package_dir=PACKAGES,
     package_data={"vllm_shadowkv.eval": ["fixtures/**/*"],
                   "vllm_shadowkv.core": ["csrc/*.c", "csrc/*.h"]},  # built on first use
-    install_requires=["torch", "tqdm", "filelock"],
+    install_requires=["torch", "tqdm", "filelock", "psutil"],
     extras_require={
         # gguf and accelerate: transformers' GGUF loader, to convert the smollm2 model; ray: the
         # Ray executor tests (tests/integration/test_ray.py); pytest-xdist: the suite runs on the

@@ -20,6 +20,10 @@ from vllm_shadowkv.methods.base import EngineSettings, KVMethod, KVShapes, Setti
 
 STAMP_KEY = "vllm_shadowkv"  # additional_config key the front end writes; users do not
 DEFAULT_STORE_GIB = 16.0
+# The default store never takes more than this share of the host memory available to each
+# worker on the node (the rest: weights, vLLM's CPU KV cache, co-tenants); an explicit size must
+# fit in HOST_LIMIT of it, or a full store would get the server killed for memory.
+DEFAULT_HOST_SHARE, HOST_LIMIT = 0.5, 0.9
 GiB, MiB = 1 << 30, 1 << 20
 
 
@@ -120,14 +124,22 @@ def stamp_of(vllm_config) -> Stamp | None:
     return Stamp.from_json(raw) if raw else None
 
 
-def store_capacity(settings: EngineSettings, cache_config, world_size: int) -> tuple[int, str]:
-    """The host store per worker and where its size came from (for messages)."""
+def store_capacity(settings: EngineSettings, cache_config, world_size: int,
+                   host_per_worker: int | None = None) -> tuple[int, str]:
+    """The host store per worker and where its size came from (for messages).
+    ``host_per_worker``: the host memory available to each worker of this node (None: unknown,
+    as under Ray), which bounds the default."""
     if settings.value_store_gib is not None:
         return int(settings.value_store_gib * GiB), f"{settings.key}.value_store_gib"
     if cache_config.kv_offloading_size is not None:
         return (int(cache_config.kv_offloading_size * GiB) // world_size,
                 "--kv-offloading-size")
-    return int(DEFAULT_STORE_GIB * GiB), f"the default {DEFAULT_STORE_GIB:g} GiB"
+    default = int(DEFAULT_STORE_GIB * GiB)
+    if host_per_worker is not None and DEFAULT_HOST_SHARE * host_per_worker < default:
+        return (int(DEFAULT_HOST_SHARE * host_per_worker),
+                f"the default: {DEFAULT_HOST_SHARE:.0%} of the host memory available per worker, "
+                f"under {DEFAULT_STORE_GIB:g} GiB here")
+    return default, f"the default {DEFAULT_STORE_GIB:g} GiB"
 
 
 def human_bytes(nbytes: int) -> str:

@@ -19,7 +19,17 @@ def engine_config(model, backend="shadowkv", **kwargs):
     return args.create_engine_config()
 
 
-def test_defaults_are_accepted_and_stamped(tiny_model):
+def host_memory(monkeypatch, gib):
+    """Pretend the host has ``gib`` GiB available."""
+    from types import SimpleNamespace
+
+    import psutil
+
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: SimpleNamespace(available=gib << 30))
+
+
+def test_defaults_are_accepted_and_stamped(tiny_model, monkeypatch):
+    host_memory(monkeypatch, 64)
     config = engine_config(tiny_model)
     assert config.attention_config.backend.name == "CUSTOM"  # the method travels in the stamp
     stamp = config.additional_config[STAMP_KEY]
@@ -27,6 +37,21 @@ def test_defaults_are_accepted_and_stamped(tiny_model):
     assert stamp["settings"]["rank"] == 40  # 160 of 1024 key channels, at this model's 256
     assert stamp["store_bytes"] == 16 << 30
 
+
+
+def test_the_host_store_fits_the_hosts_memory(tiny_model, monkeypatch):
+    """The default shrinks to half of what each worker has; an explicit size the host cannot
+    back fails before anything loads (under load it would fill until the server is killed)."""
+    host_memory(monkeypatch, 8)
+    stamp = engine_config(tiny_model, tensor_parallel_size=2).additional_config[STAMP_KEY]
+    assert stamp["store_bytes"] == 2 << 30  # 8 GiB over 2 workers, half of it
+    with pytest.raises(ValueError) as err:
+        engine_config(tiny_model, additional_config={"shadowkv": {"value_store_gib": 12}})
+    message = str(err.value)
+    assert "host store (12.00 GiB per worker, from shadowkv.value_store_gib)" in message
+    assert "8.00 GiB is available per worker now" in message and "at most 90%" in message
+    with pytest.raises(ValueError, match=r"8.00 GiB per worker, from --kv-offloading-size"):
+        engine_config(tiny_model, kv_offloading_size=16, tensor_parallel_size=2)
 
 
 def test_minikv_settings_are_checked_with_the_allowed_values(tiny_model):

@@ -79,6 +79,17 @@ def test_store_size_comes_from_kv_offloading_size_split_per_worker():
     assert store_capacity(override, cache, 4) == (1 << 30, "shadowkv.value_store_gib")
     unset = SimpleNamespace(kv_offloading_size=None)
     assert store_capacity(ShadowKVSettings(), unset, 1)[0] == 16 << 30
+    assert store_capacity(ShadowKVSettings(), unset, 1, host_per_worker=64 << 30)[0] == 16 << 30
+
+
+def test_the_default_store_takes_at_most_half_the_host_memory_per_worker():
+    from types import SimpleNamespace
+
+    unset = SimpleNamespace(kv_offloading_size=None)
+    size, source = store_capacity(ShadowKVSettings(), unset, 2, host_per_worker=10 << 30)
+    assert size == 5 << 30 and "50% of the host memory available per worker" in source
+    explicit = ShadowKVSettings(value_store_gib=12.0)  # explicit sizes are checked, not bounded
+    assert store_capacity(explicit, unset, 2, host_per_worker=10 << 30)[0] == 12 << 30
 
 
 def test_stamp_round_trips_through_json():

@@ -10,8 +10,8 @@ from __future__ import annotations
 from vllm.logger import init_logger
 
 from vllm_shadowkv.backend.layout import PageLayout
-from vllm_shadowkv.config import (STAMP_KEY, Stamp, human_bytes, parse_settings, settings_block,
-                                  stamp_of, store_capacity)
+from vllm_shadowkv.config import (HOST_LIMIT, STAMP_KEY, Stamp, human_bytes, parse_settings,
+                                  settings_block, stamp_of, store_capacity)
 from vllm_shadowkv.methods import method_class
 from vllm_shadowkv.methods.base import KVShapes, SettingsError
 
@@ -83,7 +83,10 @@ def validate_engine(vllm_config, method: str) -> Stamp:
     check_speculative(vllm_config, settings, method)
     settings = settings.resolved(shapes)
     check_kv_offloading(vllm_config, method)
-    store, source = store_capacity(settings, cache_config, parallel.tensor_parallel_size)
+    host_per_worker = host_memory_per_worker(parallel)
+    store, source = store_capacity(settings, cache_config, parallel.tensor_parallel_size,
+                                   host_per_worker)
+    check_host_memory(store, source, host_per_worker, method)
     stamp = Stamp(method, settings, store)
     check_store_fits(PageLayout(stamp.build(shapes)), store, source, method)
     if cache_config.kv_offloading_size is not None and settings.value_store_gib is None:
@@ -186,6 +189,27 @@ def check_store_fits(layout: PageLayout, store: int, source: str, method: str) -
             f"{method}.value_store_gib to at least {need / (1 << 30):.4f} or "
             "--kv-offloading-size accordingly (it is split over the workers), or lower "
             "--max-model-len")
+
+
+def host_memory_per_worker(parallel) -> int | None:
+    """Host memory available now to each worker this node runs (every rank of each local
+    data-parallel engine), or None under Ray, whose workers may live on other nodes."""
+    import psutil
+
+    if parallel.distributed_executor_backend == "ray":
+        return None
+    local_engines = parallel.data_parallel_size_local or 1
+    return psutil.virtual_memory().available // (parallel.tensor_parallel_size * local_engines)
+
+
+def check_host_memory(store: int, source: str, host_per_worker: int | None, method: str) -> None:
+    """A store the host cannot back would fill up under load until the OS kills the server."""
+    if host_per_worker is not None and store > HOST_LIMIT * host_per_worker:
+        raise SettingsError(
+            f"the {method} host store ({human_bytes(store)} per worker, from {source}) does not "
+            f"fit in this host's memory: {human_bytes(host_per_worker)} is available per worker "
+            f"now, and the store may use at most {HOST_LIMIT:.0%} of it; lower it (or leave "
+            "it unset: the default fits the host)")
 
 
 def check_kv_cache_dtype(cache_dtype: str, method: str) -> None:
