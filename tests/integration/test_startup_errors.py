@@ -26,6 +26,7 @@ def host_memory(monkeypatch, gib):
     import psutil
 
     monkeypatch.setattr(psutil, "virtual_memory", lambda: SimpleNamespace(available=gib << 30))
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)  # (sizes the CPU KV cache)
 
 
 def test_defaults_are_accepted_and_stamped(tiny_model, monkeypatch):
@@ -45,6 +46,10 @@ def test_the_host_store_fits_the_hosts_memory(tiny_model, monkeypatch):
     host_memory(monkeypatch, 8)
     stamp = engine_config(tiny_model, tensor_parallel_size=2).additional_config[STAMP_KEY]
     assert stamp["store_bytes"] == 2 << 30  # 8 GiB over 2 workers, half of it
+    # A CPU worker's KV cache comes out of the same memory first
+    stamp = engine_config(tiny_model, tensor_parallel_size=2,
+                          kv_cache_memory_bytes=2 << 30).additional_config[STAMP_KEY]
+    assert stamp["store_bytes"] == 1 << 30
     with pytest.raises(ValueError) as err:
         engine_config(tiny_model, additional_config={"shadowkv": {"value_store_gib": 12}})
     message = str(err.value)

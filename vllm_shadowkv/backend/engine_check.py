@@ -83,10 +83,11 @@ def validate_engine(vllm_config, method: str) -> Stamp:
     check_speculative(vllm_config, settings, method)
     settings = settings.resolved(shapes)
     check_kv_offloading(vllm_config, method)
-    host_per_worker = host_memory_per_worker(parallel)
+    host_per_worker = host_memory_per_worker(vllm_config)
     store, source = store_capacity(settings, cache_config, parallel.tensor_parallel_size,
                                    host_per_worker)
     check_host_memory(store, source, host_per_worker, method)
+    logger.info("%s: host store of up to %s per worker (%s)", method, human_bytes(store), source)
     stamp = Stamp(method, settings, store)
     check_store_fits(PageLayout(stamp.build(shapes)), store, source, method)
     if cache_config.kv_offloading_size is not None and settings.value_store_gib is None:
@@ -191,15 +192,22 @@ def check_store_fits(layout: PageLayout, store: int, source: str, method: str) -
             "--max-model-len")
 
 
-def host_memory_per_worker(parallel) -> int | None:
+def host_memory_per_worker(vllm_config) -> int | None:
     """Host memory available now to each worker this node runs (every rank of each local
-    data-parallel engine), or None under Ray, whose workers may live on other nodes."""
+    data-parallel engine), less the KV cache a CPU worker will allocate in it; None under Ray,
+    whose workers may live on other nodes."""
     import psutil
+    from vllm.platforms import current_platform
 
+    parallel = vllm_config.parallel_config
     if parallel.distributed_executor_backend == "ray":
         return None
     local_engines = parallel.data_parallel_size_local or 1
-    return psutil.virtual_memory().available // (parallel.tensor_parallel_size * local_engines)
+    share = psutil.virtual_memory().available // (parallel.tensor_parallel_size * local_engines)
+    kv_cache = vllm_config.cache_config.kv_cache_memory_bytes
+    if current_platform.is_cpu() and kv_cache:
+        share -= kv_cache
+    return max(share, 0)
 
 
 def check_host_memory(store: int, source: str, host_per_worker: int | None, method: str) -> None:
