@@ -46,6 +46,8 @@ def test_the_host_store_fits_the_hosts_memory(tiny_model, monkeypatch):
     host_memory(monkeypatch, 8)
     stamp = engine_config(tiny_model, tensor_parallel_size=2).additional_config[STAMP_KEY]
     assert stamp["store_bytes"] == 2 << 30  # 8 GiB over 2 workers, half of it
+    stamp = engine_config(tiny_model, data_parallel_size=2).additional_config[STAMP_KEY]
+    assert stamp["store_bytes"] == 2 << 30  # two engines of one worker each on this node
     # A CPU worker's KV cache comes out of the same memory first
     stamp = engine_config(tiny_model, tensor_parallel_size=2,
                           kv_cache_memory_bytes=2 << 30).additional_config[STAMP_KEY]
