@@ -3,6 +3,7 @@ store and stats; the server's /metrics adds the engines up (tensor-parallel rank
 share its requests and count them once, engines do not)."""
 
 import json
+import os
 import re
 import time
 import urllib.request
@@ -21,7 +22,11 @@ REQUESTS = 4
 def test_two_engines_serve_sparse_requests_and_metrics_add_them_up(tiny_model, tmp_path):
     stats_dir = tmp_path / "stats"
     stats_dir.mkdir()
-    env = engine_env() | {STATS_DIR_ENV: str(stats_dir)}
+    cpus = sorted(os.sched_getaffinity(0))
+    # Each engine its own core ("a|b", by DP rank); the suite's one-core binding would leave the
+    # second engine none.
+    bind = "|".join(map(str, cpus[:2])) if len(cpus) >= 2 else "nobind"
+    env = engine_env() | {STATS_DIR_ENV: str(stats_dir), "VLLM_CPU_OMP_THREADS_BIND": bind}
     args = ["--attention-backend", "shadowkv", "--enforce-eager", "--max-model-len", "2048",
             "--data-parallel-size", "2",
             "--additional-config", json.dumps({"shadowkv": {"min_sparse_len": 1024}})]
