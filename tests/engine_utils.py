@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
+import time
+import urllib.request
 from pathlib import Path
 
 GENERATE_SCRIPT = Path(__file__).parent / "integration" / "generate.py"
@@ -134,3 +137,32 @@ def run_on_fixture(tmp_path: Path, name: str, method: str, prompt: str, settings
     (stats,) = result["stats"][0]["finished"].values()
     assert stats["mode"] == "sparse" and len(result["batches"][0][0]["token_ids"]) == max_tokens
     return result, stats
+
+
+def one_core_per_rank(ranks: int = 2) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND giving each rank (TP, or DP engine) its own core; vLLM's
+    automatic binding wants a NUMA node per rank, and the suite's one-core binding per xdist
+    worker would leave the other ranks none."""
+    cpus = sorted(os.sched_getaffinity(0))
+    return "|".join(map(str, cpus[:ranks])) if len(cpus) >= ranks else "nobind"
+
+
+def metric(base: str, pattern: str) -> float:
+    """The value of the server's /metrics line matching ``pattern`` (0 when absent)."""
+    text = urllib.request.urlopen(base + "/metrics", timeout=10).read().decode()
+    found = re.search(pattern, text, re.M)
+    return float(found.group(1)) if found else 0.0
+
+
+def wait_for(base: str, model: str, check, timeout: float = 60):
+    """Poll ``check`` until it returns something; a worker releases a finished or aborted
+    request at its next step, so each try sends a one-token request."""
+    from vllm_shadowkv.server import post_json
+
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        post_json(base + "/v1/completions", {"model": model, "prompt": "hi", "max_tokens": 1})
+        if (found := check()) is not None:
+            return found
+        time.sleep(1)
+    raise AssertionError(f"not reached within {timeout:.0f} s: {check.__name__}")

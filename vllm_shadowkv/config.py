@@ -135,10 +135,10 @@ def store_capacity(settings: EngineSettings, cache_config, world_size: int,
         return (int(cache_config.kv_offloading_size * GiB) // world_size,
                 "--kv-offloading-size")
     default = int(DEFAULT_STORE_GIB * GiB)
-    if host_per_worker is not None and DEFAULT_HOST_SHARE * host_per_worker < default:
-        return (int(DEFAULT_HOST_SHARE * host_per_worker),
-                f"the default: {DEFAULT_HOST_SHARE:.0%} of the host memory available per worker, "
-                f"under {DEFAULT_STORE_GIB:g} GiB here")
+    share = None if host_per_worker is None else int(DEFAULT_HOST_SHARE * host_per_worker)
+    if share is not None and share < default:
+        return share, (f"the default: {DEFAULT_HOST_SHARE:.0%} of the host memory available per "
+                       f"worker, under {DEFAULT_STORE_GIB:g} GiB here")
     return default, f"the default {DEFAULT_STORE_GIB:g} GiB"
 
 

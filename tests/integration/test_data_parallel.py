@@ -3,14 +3,10 @@ store and stats; the server's /metrics adds the engines up (tensor-parallel rank
 share its requests and count them once, engines do not)."""
 
 import json
-import os
-import re
-import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from engine_utils import engine_env
+from engine_utils import engine_env, metric, one_core_per_rank, wait_for
 
 from vllm_shadowkv.backend.worker_state import STATS_DIR_ENV
 from vllm_shadowkv.server import post_json, serve
@@ -22,11 +18,8 @@ REQUESTS = 4
 def test_two_engines_serve_sparse_requests_and_metrics_add_them_up(tiny_model, tmp_path):
     stats_dir = tmp_path / "stats"
     stats_dir.mkdir()
-    cpus = sorted(os.sched_getaffinity(0))
-    # Each engine its own core ("a|b", by DP rank); the suite's one-core binding would leave the
-    # second engine none.
-    bind = "|".join(map(str, cpus[:2])) if len(cpus) >= 2 else "nobind"
-    env = engine_env() | {STATS_DIR_ENV: str(stats_dir), "VLLM_CPU_OMP_THREADS_BIND": bind}
+    env = engine_env() | {STATS_DIR_ENV: str(stats_dir),
+                          "VLLM_CPU_OMP_THREADS_BIND": one_core_per_rank()}  # by DP rank
     args = ["--attention-backend", "shadowkv", "--enforce-eager", "--max-model-len", "2048",
             "--data-parallel-size", "2",
             "--additional-config", json.dumps({"shadowkv": {"min_sparse_len": 1024}})]
@@ -41,15 +34,14 @@ def test_two_engines_serve_sparse_requests_and_metrics_add_them_up(tiny_model, t
             replies = list(pool.map(complete, range(REQUESTS)))
         assert all(r["usage"]["prompt_tokens"] > 1024 and r["usage"]["completion_tokens"] == 8
                    for r in replies)
-        pattern = r'^kv_compression_requests_finished_total\{method="shadowkv",mode="sparse"\} (\S+)'
-        finished, deadline = None, time.time() + 30
-        while time.time() < deadline:  # the workers' snapshots land within a step or two
-            metrics = urllib.request.urlopen(base + "/metrics", timeout=10).read().decode()
-            finished = re.search(pattern, metrics, re.M)
-            if finished and float(finished.group(1)) >= REQUESTS:
-                break
-            time.sleep(1)
+        series = r'^kv_compression_requests_finished_total\{method="shadowkv",mode="sparse"\} (\S+)'
+
+        def all_finished():  # the workers' snapshots land within a step or two
+            value = metric(base, series)
+            return value if value >= REQUESTS else None
+
+        finished = wait_for(base, tiny_model, all_finished, timeout=30)
         snaps = [json.loads(p.read_text()) for p in stats_dir.glob("worker-*.json")]
     assert sorted(s["data_parallel_rank"] for s in snaps) == [0, 1]
     assert sum(s["finished_sparse"] for s in snaps) == REQUESTS
-    assert finished and float(finished.group(1)) == REQUESTS
+    assert finished == REQUESTS

@@ -1,12 +1,11 @@
 """Compressed decode inside a real vLLM engine (CPU, fresh processes, tiny local model): every
 method of the table with covering settings equals dense; ShadowKV at the paper's ratio."""
 
-import os
 import random
 
 import pytest
 from engine_utils import (PROMPTS, assert_greedy_close, assert_one_host_wait_per_layer,
-                          generate_in_fresh_process, uses_host_store)
+                          generate_in_fresh_process, one_core_per_rank, uses_host_store)
 
 from vllm_shadowkv.methods import METHODS
 
@@ -149,15 +148,12 @@ def test_tensor_parallel_ranks_each_compress_their_own_kv_heads(method, tiny_mod
     rank holds 2 of the 4 KV heads, compresses them with its own covering settings (ShadowKV: its
     full rank, 2 x 64) into its own host store, and the output equals the default backend's."""
     settings = METHODS[method].covering_settings(128, 4096) | {"min_sparse_len": 2048}
-    cpus = sorted(os.sched_getaffinity(0))
-    # vLLM's automatic thread binding wants a NUMA node per rank; give each rank its own core.
-    bind = "|".join(map(str, cpus[:2])) if len(cpus) >= 2 else "nobind"
     test = generate_in_fresh_process(
         {**TP_JOB, "model": tiny_model, "attention_backend": method,
          "engine_kwargs": {**TP_JOB["engine_kwargs"], "tensor_parallel_size": 2,
                            "distributed_executor_backend": "mp",
                            "additional_config": {method: settings}}},
-        _dir(tmp_path, "tp2"), timeout=900, env={"VLLM_CPU_OMP_THREADS_BIND": bind})
+        _dir(tmp_path, "tp2"), timeout=900, env={"VLLM_CPU_OMP_THREADS_BIND": one_core_per_rank()})
     assert_greedy_close(tp_reference["batches"][0], test["batches"][0],
                         names=("default", f"{method} tp2"))
     ranks = test["rank_stats"][0]

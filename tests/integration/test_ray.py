@@ -6,7 +6,6 @@ scripts/setup.sh): a custom resource, which the cluster declares here, one per w
 """
 
 import json
-import re
 import subprocess
 import sys
 import time
@@ -15,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from engine_utils import (PROMPTS, assert_greedy_close, engine_env, generate_in_fresh_process,
-                          uses_host_store)
+                          metric, uses_host_store, wait_for)
 from ray_cpu_for_tests import RESOURCE
 from test_engine_sparse import long_prompt
 
@@ -214,25 +213,6 @@ def test_server_over_ray_abort_leaves_both_stores_empty(ray_server):
 
 def rank_stats(base: str) -> list[dict]:
     return post_json(base + "/collective_rpc", {"method": "kv_compression_stats"})["results"]
-
-
-def metric(base: str, pattern: str) -> float:
-    """The value of the /metrics line matching ``pattern`` (0 when absent)."""
-    text = urllib.request.urlopen(base + "/metrics", timeout=10).read().decode()
-    found = re.search(pattern, text, re.M)
-    return float(found.group(1)) if found else 0.0
-
-
-def wait_for(base: str, model: str, check, timeout: float = 60):
-    """Poll ``check`` until it returns something; a rank releases a finished or aborted request
-    at its next step, so each try sends a one-token request."""
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        post_json(base + "/v1/completions", {"model": model, "prompt": "hi", "max_tokens": 1})
-        if (found := check()) is not None:
-            return found
-        time.sleep(1)
-    raise AssertionError(f"not reached within {timeout:.0f} s: {check.__name__}")
 
 
 def _all_finished(stats_dir: Path, sparse: int) -> list[dict] | None:
