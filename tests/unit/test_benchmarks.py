@@ -49,3 +49,12 @@ def test_kernel_benchmark_runs(script, tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     results = next(out.glob("*.json")) if out.is_dir() else out  # some take a folder
     assert json.loads(results.read_text())
+
+
+def test_every_method_summarises_committed_runs(tmp_path):
+    folder = "benchmarks/throughput/llama8b_shape_16k_every_method_s69"
+    done = _run(["benchmarks/every_method.py", folder, "--png", str(tmp_path / "p.png")])
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = [line for line in done.stdout.splitlines() if line.startswith("| ")][2:]
+    assert sorted(line.split(" | ")[0][2:] for line in rows) == sorted(
+        p.parent.name for p in (BENCHMARKS.parent / folder).glob("*/throughput.json"))
