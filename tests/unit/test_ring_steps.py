@@ -9,7 +9,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from vllm_shadowkv.backend.attention import EngineImpl, EngineMetadataBuilder
+from vllm_shadowkv.backend.attention import (EngineImpl, EngineMetadataBuilder,
+                                             cpu_lengths_exact)
 from vllm_shadowkv.backend.exact_attention import write_exact
 from vllm_shadowkv.backend.layout import PageLayout
 from vllm_shadowkv.backend.worker_state import STATE
@@ -17,6 +18,9 @@ from vllm_shadowkv.methods.base import KVShapes, LayerContext
 from vllm_shadowkv.methods.minikv import MiniKVMethod, MiniKVSettings
 
 H, HQ, D, PROMPT, RESIDUAL = 2, 8, 64, 150, 16
+# A step's lengths as only a device holds them: reading one would wait for the device (on a
+# meta tensor it raises), which the builder does only where the CPU's are not exact.
+DEVICE_ONLY = torch.empty(1, dtype=torch.int32, device="meta")
 
 
 class Engine:
@@ -49,14 +53,15 @@ class Engine:
         value) as a guess row after them; its output rows in each layer and the rows the KV
         write covered."""
         builder = EngineMetadataBuilder.__new__(EngineMetadataBuilder)
-        builder.layout = self.layout
+        builder.layout, builder.cpu_lens_exact = self.layout, True
         q, k, v = self.q[first:end], self.k[first:end], self.v[first:end]
         if guess is not None:
             q, k, v = (torch.cat([t, g[None]]) for t, g in zip((q, k, v), guess))
         n = len(q)
         STATE.guesses = {"r": 1} if guess is not None else {}
         common = SimpleNamespace(num_reqs=1, query_start_loc_cpu=torch.tensor([0, n]),
-                                 seq_lens=torch.tensor([first + n]), num_actual_tokens=n,
+                                 seq_lens_cpu_upper_bound=torch.tensor([first + n]),
+                                 seq_lens=DEVICE_ONLY, num_actual_tokens=n,
                                  block_table_tensor=self.block_ids[None])
         metadata = builder.build(0, common)
         rows = metadata.write_rows
@@ -122,3 +127,25 @@ def test_guess_rows_are_never_written_nor_folded(one_request):
         torch.testing.assert_close(got[:1], want, atol=2e-5, rtol=2e-5)
     for a, b in zip(plain.ctxs, guessing.ctxs):
         assert torch.equal(a.kv_cache.view(torch.int32), b.kv_cache.view(torch.int32))
+
+
+
+@pytest.mark.parametrize("async_scheduling, speculative, exact", [
+    (False, None, True), (True, None, True), (False, {"method": "ngram"}, True),
+    (True, {"method": "eagle"}, False)])
+def test_step_lengths_are_read_from_the_cpu_where_exact(async_scheduling, speculative, exact,
+                                                       one_request):
+    """The builder reads vLLM's CPU copy of the lengths (no host wait on a GPU), except under
+    async speculative decoding, where that copy assumes every draft was accepted."""
+    config = SimpleNamespace(scheduler_config=SimpleNamespace(async_scheduling=async_scheduling),
+                             speculative_config=speculative)
+    assert cpu_lengths_exact(config) is exact
+    builder = EngineMetadataBuilder.__new__(EngineMetadataBuilder)
+    builder.layout = Engine(MiniKVSettings(), PROMPT + 1).layout
+    builder.cpu_lens_exact = exact
+    lens = torch.tensor([PROMPT + 1])
+    common = SimpleNamespace(num_reqs=1, query_start_loc_cpu=torch.tensor([0, 1]),
+                             seq_lens_cpu_upper_bound=lens if exact else DEVICE_ONLY,
+                             seq_lens=DEVICE_ONLY if exact else lens, num_actual_tokens=1,
+                             block_table_tensor=torch.arange(1, 1000)[None])
+    assert builder.build(0, common).seq_lens == [PROMPT + 1]

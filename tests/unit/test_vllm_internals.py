@@ -50,8 +50,8 @@ def test_common_attention_metadata_fields():
     """EngineMetadataBuilder.build reads these."""
     from vllm.v1.attention.backend import CommonAttentionMetadata
 
-    wanted = {"query_start_loc_cpu", "seq_lens", "num_reqs", "num_actual_tokens",
-              "block_table_tensor"}
+    wanted = {"query_start_loc_cpu", "seq_lens", "seq_lens_cpu_upper_bound", "num_reqs",
+              "num_actual_tokens", "block_table_tensor"}
     missing = wanted - fields_of(CommonAttentionMetadata)
     assert not missing, f"CommonAttentionMetadata lost {missing} (read by EngineMetadataBuilder)"
 

@@ -108,6 +108,14 @@ class StepPhases:
     decode_rounds: list[list[RequestRows]]  # the compressed decodes, one method call each
 
 
+def cpu_lengths_exact(vllm_config: VllmConfig) -> bool:
+    """Whether vLLM's CPU copy of a step's sequence lengths is exact. Under async speculative
+    decoding it assumes every draft was accepted, and only the device's are (reading them is
+    one host wait a step on a GPU)."""
+    return not (vllm_config.scheduler_config.async_scheduling
+                and vllm_config.speculative_config is not None)
+
+
 class EngineMetadataBuilder(AttentionMetadataBuilder[EngineMetadata]):
     # Never captured: a step's work depends on each request's phase (exact prefill, finalize,
     # compressed decode) and on data (how many selected rows missed, gathered by the host from
@@ -119,13 +127,15 @@ class EngineMetadataBuilder(AttentionMetadataBuilder[EngineMetadata]):
                  vllm_config: VllmConfig, device: torch.device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.layout = kv_cache_spec.layout
+        self.cpu_lens_exact = cpu_lengths_exact(vllm_config)
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> EngineMetadata:
         m = common_attn_metadata
         num_reqs = m.num_reqs
         query_start_loc = m.query_start_loc_cpu[: num_reqs + 1].tolist()
-        seq_lens = m.seq_lens[:num_reqs].tolist()
+        lens = m.seq_lens_cpu_upper_bound if self.cpu_lens_exact else m.seq_lens
+        seq_lens = lens[:num_reqs].tolist()
         req_ids, prompt_lens = STATE.batch_requests(num_reqs)
         if len(req_ids) < num_reqs:  # a dummy batch: no real requests behind its rows
             req_ids, prompt_lens = [None] * num_reqs, list(seq_lens)
