@@ -64,6 +64,7 @@ class HostWaits(TorchDispatchMode):
         self._host: dict[int, weakref.ref] = {}  # (tensors compare elementwise: by id)
         self.reads: list[str] = []
         self.copies = 0
+        self.reading = False  # inside a counted read
         self._saved: list[tuple[object, str, object]] = []
 
     def is_host(self, tensor: torch.Tensor) -> bool:
@@ -85,7 +86,8 @@ class HostWaits(TorchDispatchMode):
                          and any(i is not None and i.dtype == torch.bool for i in args[1]))
         sized_by_data = (func is aten.repeat_interleave.Tensor  # (unless told its size)
                          and (kwargs or {}).get("output_size") is None)
-        if not host and (func in DATA_DEPENDENT or boolean_index or sized_by_data):
+        if (not host and not self.reading
+                and (func in DATA_DEPENDENT or boolean_index or sized_by_data)):
             self._read(_caller())
         out = func(*args, **(kwargs or {}))
         if host:
@@ -101,13 +103,20 @@ class HostWaits(TorchDispatchMode):
             original = getattr(torch.Tensor, name)
 
             def read(tensor, *args, **kwargs):
-                if not mode.is_host(tensor):
-                    mode._read(_caller())
-                return original(tensor, *args, **kwargs)
+                if mode.reading or mode.is_host(tensor):
+                    return original(tensor, *args, **kwargs)
+                mode._read(_caller())
+                mode.reading = True  # (int() reaches the dispatcher too: count it once)
+                try:
+                    return original(tensor, *args, **kwargs)
+                finally:
+                    mode.reading = False
             self._saved.append((torch.Tensor, name, original))
             setattr(torch.Tensor, name, read)
 
-        for name in ("tolist", "cpu", "numpy"):  # (on the CPU these never reach the dispatcher)
+        # (on the CPU these never reach the dispatcher, nor does a scalar read)
+        for name in ("tolist", "cpu", "numpy", "item", "__int__", "__float__", "__bool__",
+                     "__index__"):
             wrap_read(name)
 
         def wrap_factory(name):

@@ -19,6 +19,7 @@ import triton.language as tl
 
 from vllm_shadowkv.core.attention import merge_stacked
 from vllm_shadowkv.core.kivi import KiviFormat, QuantizedGroups
+from vllm_shadowkv.core.quant_attention import longest
 
 from .splits import split_count
 
@@ -224,7 +225,7 @@ def groups_per_step(group: int, tokens_per_step: int, min_groups: int) -> int:
 
 
 def quant_attention(q, groups, group_table, group_count, fmt: KiviFormat, scale,
-                    logits_row=None):
+                    logits_row=None, most_groups=None):
     batch, s_q, h_q, head_dim = q.shape
     kc, ks, kz, vc, vs, vz = groups
     n_pool, h_kv, tokens, words = kc.shape
@@ -251,9 +252,9 @@ def quant_attention(q, groups, group_table, group_count, fmt: KiviFormat, scale,
     part_lse = torch.empty(batch, h_kv, n_splits, rows, dtype=torch.float32, device=q.device)
     if logits_row is not None:
         assert 0 <= logits_row < s_q
-        # The contract's width (the longest request's tokens) costs one host sync, as
-        # quant_logits's does; the tokens past a request's count stay -inf.
-        width = int(group_count.max()) if batch else 0
+        # The contract's width (the longest request's tokens): read from the device (a host
+        # wait) unless the caller knows it; the tokens past a request's count stay -inf.
+        width = longest(group_count, most_groups)
         logits = torch.full((batch, h_q, width * tokens), float("-inf"), dtype=torch.float32,
                             device=q.device)
     else:
@@ -279,7 +280,8 @@ def quant_attention(q, groups, group_table, group_count, fmt: KiviFormat, scale,
     return (out, lse) if logits_row is None else (out, lse, logits)
 
 
-def quant_logits(q, groups, group_table, group_count, fmt: KiviFormat, scale):
+def quant_logits(q, groups, group_table, group_count, fmt: KiviFormat, scale,
+                 most_groups=None):
     batch, h_q, head_dim = q.shape
     kc, ks, kz = groups.key_codes, groups.key_scale, groups.key_zero
     n_pool, h_kv, tokens, words = kc.shape
@@ -288,9 +290,9 @@ def quant_logits(q, groups, group_table, group_count, fmt: KiviFormat, scale):
     assert ks.stride() == kz.stride() and group_table.shape[0] == batch
     assert group_count.shape == (batch,) and group_count.is_contiguous()
     assert group_table.dtype == group_count.dtype == kc.dtype == torch.int32
-    # The contract's width (the longest request's tokens) costs one host sync, as the
-    # reference's does; the logits of a step are then one launch.
-    width = int(group_count.max()) if batch else 0
+    # The contract's width (the longest request's tokens), as quant_attention takes it; the
+    # logits of a step are then one launch.
+    width = longest(group_count, most_groups)
     out = torch.empty(batch, h_q, width * tokens, dtype=torch.float32, device=q.device)
     if width == 0:
         return out

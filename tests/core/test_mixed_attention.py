@@ -240,6 +240,14 @@ def test_logits_row_from_the_attention_pass(impl, case, kernel_device, monkeypat
         # an H200), quant_logits tf32 ones.
         tol = 4e-2 if logits.is_cuda else 1e-5
         torch.testing.assert_close(logits, want, atol=tol, rtol=tol)
+        # The caller's host-side max(group_count) (no device read) gives the same bits.
+        told = IMPLS[impl](r.q, r.pool, r.table, r.count, fmt, r.scale, logits_row=row,
+                           most_groups=max(counts))
+        for a, b in zip(told, (out, lse, logits)):
+            assert torch.equal(a, b)
+        with ops.kernel_mode(KERNEL_MODES[impl]):
+            assert torch.equal(ops.quant_logits(r.q[:, row], r.pool, r.table, r.count, fmt,
+                                                r.scale, max(counts)), want)
 
 
 @_needs_native

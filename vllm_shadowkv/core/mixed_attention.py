@@ -25,15 +25,16 @@ def quant_logits(
     group_count: torch.Tensor,
     fmt: KiviFormat,
     scale: float,
+    most_groups: int | None = None,
 ) -> torch.Tensor:
-    """One query row per request, q [B, h_q, d], against its quantized keys (pool and table
-    as in quant_attention.quant_attention) -> logits [B, h_q, max(group_count) * G] fp32,
-    token t of table entry j at j * G + t, -inf past the request's tokens."""
+    """One query row per request, q [B, h_q, d], against its quantized keys (pool, table and
+    ``most_groups`` as in quant_attention.quant_attention) -> logits [B, h_q, max(group_count)
+    * G] fp32, token t of table entry j at j * G + t, -inf past the request's tokens."""
     batch, h_q, head_dim = q.shape
     h_kv = groups.key_codes.shape[1]
     rows = q.float().view(batch, h_kv, h_q // h_kv, head_dim)
     blocks = []
-    for ids, valid in group_blocks(group_table, group_count, fmt, groups):
+    for ids, valid in group_blocks(group_table, group_count, fmt, groups, most_groups):
         keys = groups._replace(**{f: getattr(groups, f)[ids] for f in _KEY_FIELDS})
         k = dequantize_keys(keys, fmt, torch.float32).unflatten(0, (batch, -1))  # [B, n*G, h, d]
         logits = torch.matmul(rows, k.permute(0, 2, 3, 1)) * scale  # [B, h_kv, g, n * G]

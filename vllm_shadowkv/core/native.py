@@ -408,7 +408,7 @@ def supports_prefill_attention(query: torch.Tensor, key: torch.Tensor, value: to
 
 
 def quant_attention(q, groups, group_table, group_count, fmt, scale, logits_row=None,
-                    attend=True):
+                    most_groups=None, attend=True):
     """quant_attention.quant_attention in one C call for the whole batch
     (``csrc/quant_attention.c``), for what ``supports_quant_attention`` accepts. Without
     ``attend`` only the logits of ``logits_row`` are computed: -> logits."""
@@ -417,7 +417,9 @@ def quant_attention(q, groups, group_table, group_count, fmt, scale, logits_row=
     q = q.contiguous()
     table = group_table if group_table.stride(-1) == 1 else group_table.contiguous()
     table, counts = table.to(torch.int32), _int32(group_count)
-    width = int(counts.max()) * fmt.group if batch else 0
+    from .quant_attention import longest
+
+    width = longest(counts, most_groups) * fmt.group
     logits = None
     if logits_row is not None:
         logits = torch.full((batch, h_q, width), float("-inf"), dtype=torch.float32)
@@ -445,10 +447,10 @@ def quant_attention(q, groups, group_table, group_count, fmt, scale, logits_row=
     return (out, lse) if logits is None else (out, lse, logits)
 
 
-def quant_logits(q, groups, group_table, group_count, fmt, scale):
+def quant_logits(q, groups, group_table, group_count, fmt, scale, most_groups=None):
     """mixed_attention.quant_logits: ``quant_attention``'s logits alone, q [B, h_q, d]."""
     return quant_attention(q[:, None], groups, group_table, group_count, fmt, scale, 0,
-                           attend=False)
+                           most_groups, attend=False)
 
 
 def supports_quant_attention(q: torch.Tensor, groups) -> bool:

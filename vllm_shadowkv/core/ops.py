@@ -193,16 +193,18 @@ def _native_quant(q, groups) -> bool:
     return compiled_cpu(q) and native.supports_quant_attention(q, groups)
 
 
-def quant_attention(q, groups, group_table, group_count, fmt, scale, logits_row=None):
+def quant_attention(q, groups, group_table, group_count, fmt, scale, logits_row=None,
+                    most_groups=None):
     impl = (_kernels("quant_kernels") if _use_triton(q)
             else native if _native_quant(q, groups) else quant_path)
-    return impl.quant_attention(q, groups, group_table, group_count, fmt, scale, logits_row)
+    return impl.quant_attention(q, groups, group_table, group_count, fmt, scale, logits_row,
+                                most_groups)
 
 
-def quant_logits(q, groups, group_table, group_count, fmt, scale):
+def quant_logits(q, groups, group_table, group_count, fmt, scale, most_groups=None):
     impl = (_kernels("quant_kernels") if _use_triton(q)
             else native if _native_quant(q[:, None], groups) else mixed_attention)
-    return impl.quant_logits(q, groups, group_table, group_count, fmt, scale)
+    return impl.quant_logits(q, groups, group_table, group_count, fmt, scale, most_groups)
 
 
 def top_k_tokens(logits, other_lse, h_kv, k):

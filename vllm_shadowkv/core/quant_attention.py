@@ -28,6 +28,7 @@ def quant_attention(
     fmt: KiviFormat,
     scale: float,
     logits_row: int | None = None,
+    most_groups: int | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """q [B, s_q, h_q, d]; groups: a pool of token groups (kivi.QuantizedGroups, leading dims
     [n_pool, h_kv]); group_table [B, max_groups] int32 pool ids, request b owns the first
@@ -35,11 +36,12 @@ def quant_attention(
     dtype), lse [B, s_q, h_q] fp32; a request without groups gets out 0 and lse -inf. With
     ``logits_row`` (an index into s_q) also -> logits [B, h_q, max(group_count) * G] fp32 of
     that row, token t of table entry j at j * G + t, as mixed_attention.quant_logits returns
-    them."""
+    them. ``most_groups``: max(group_count) where the caller knows it on the host (else it is
+    read from the device: a host wait on a GPU)."""
     batch, s_q, h_q, head_dim = q.shape
     assert head_dim == fmt.head_dim and group_table.shape[0] == group_count.shape[0] == batch
     assert logits_row is None or 0 <= logits_row < s_q
-    width = int(group_count.max()) if batch else 0
+    width = longest(group_count, most_groups)
     if width == 0:
         out = torch.zeros_like(q)
         lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
@@ -48,7 +50,7 @@ def quant_attention(
         return out, lse, q.new_empty((batch, h_q, 0), dtype=torch.float32)
     q32 = q.float()
     outs, lses, logits = [], [], []
-    for ids, valid in group_blocks(group_table, group_count, fmt, groups):
+    for ids, valid in group_blocks(group_table, group_count, fmt, groups, most_groups):
         k, v = dequantize_groups(QuantizedGroups(*(t[ids] for t in groups)), fmt,
                                  torch.float32)  # [B * n * G, h_kv, d]
         k = k.unflatten(0, (batch, -1)).transpose(1, 2)  # [B, h_kv, n * G, d]
@@ -66,14 +68,21 @@ def quant_attention(
     return out.to(q.dtype), lse, torch.cat(logits, dim=-1)
 
 
+def longest(group_count: torch.Tensor, most_groups: int | None) -> int:
+    """max(group_count): the caller's host-side figure when it has one."""
+    if most_groups is not None:
+        return most_groups
+    return int(group_count.max()) if group_count.numel() else 0
+
+
 def group_blocks(group_table: torch.Tensor, group_count: torch.Tensor, fmt: KiviFormat,
-                 groups: QuantizedGroups):
+                 groups: QuantizedGroups, most_groups: int | None = None):
     """The requests' table entries of the pool ``groups`` in blocks of at most BLOCK_BYTES of
     fp32 keys dequantized over the batch (at least one entry per request): yields (pool ids
     [B * n] int64, the padding entries clamped into the pool; valid [B, 1, n * G] bool: the
     request's own tokens)."""
     batch = group_table.shape[0]
-    width = int(group_count.max()) if batch else 0
+    width = longest(group_count, most_groups)
     n_pool, h_kv = groups.key_codes.shape[:2]
     token_bytes = h_kv * fmt.head_dim * 4
     block = max(1, BLOCK_BYTES // (token_bytes * fmt.group * max(batch, 1)))  # per request

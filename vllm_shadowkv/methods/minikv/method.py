@@ -177,7 +177,7 @@ class MiniKVMethod(KVMethod):
         else:
             result, lse = self._attend_with_guess(layer, batch, ring, guess, q, key, value,
                                                   rows)
-        if self.pages.fmt is not None and int(batch.group_count.max()) > 0:
+        if self.pages.fmt is not None and batch.most_groups > 0:
             result = self._merge_quantized(layer, reqs, plans, q, batch, result, lse)
         out[rows] = result.flatten(0, 1)
 
@@ -211,7 +211,8 @@ class MiniKVMethod(KVMethod):
         per_head = q.view(n, s_q, h, hq // h, d).transpose(1, 2).reshape(n * h, s_q, hq // h, d)
         out_q, lse_q = ops.quant_attention(per_head, self.pages.unit_pool(layer.kv_cache),
                                            batch.group_table, batch.group_count,
-                                           self.pages.fmt, layer.scale)
+                                           self.pages.fmt, layer.scale,
+                                           most_groups=batch.most_groups)
         out_q = out_q.view(n, h, s_q, hq // h, d).transpose(1, 2).reshape(n, s_q, hq, d)
         lse_q = lse_q.view(n, h, s_q, hq // h).transpose(1, 2).reshape(n, s_q, hq)
         out, _ = merge_attention([out_exact, out_q], [lse_exact, lse_q])

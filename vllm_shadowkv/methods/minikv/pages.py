@@ -72,6 +72,7 @@ class BatchPlan:
 
     group_table: torch.Tensor  # [B * h, max units] int32
     group_count: torch.Tensor  # [B * h] int32
+    most_groups: int  # group_count's largest, known on the host (no device read)
     key_rows: torch.Tensor  # [B, h, max rows] int64 (padding: the pool's row 0, masked)
     value_rows: torch.Tensor
     row_count: torch.Tensor  # [B]
@@ -259,7 +260,8 @@ class MiniKVPages:
         table = torch.nn.utils.rnn.pad_sequence(units, batch_first=True) if units else None
         if table is None or table.shape[1] == 0:
             table = torch.zeros(len(units), 1, dtype=torch.int32, device=device)
-        counts = torch.tensor([u.numel() for u in units], dtype=torch.int32, device=device)
+        sizes = [u.numel() for u in units]
+        counts = torch.tensor(sizes, dtype=torch.int32, device=device)
 
         def padded(name: str) -> torch.Tensor:
             rows = [getattr(p, name).t() for p in plans]  # [t, h]
@@ -267,7 +269,7 @@ class MiniKVPages:
             return out.permute(0, 2, 1).contiguous()
 
         return BatchPlan(group_table=table.contiguous(), group_count=counts,
-                         key_rows=padded("key_rows"), value_rows=padded("value_rows"),
+                         most_groups=max(sizes, default=0), key_rows=padded("key_rows"), value_rows=padded("value_rows"),
                          row_count=torch.tensor([p.key_rows.shape[1] for p in plans],
                                                 device=device))
 

@@ -154,7 +154,8 @@ class SpeCacheMethod(MiniKVMethod):
         # next: the guess row's when picking ahead, else the output row's.
         own_row = s_q - 1 - guess
         quant = ops.quant_attention(per_head, pool, batch.group_table, batch.group_count,
-                                    self.pages.fmt, layer.scale, s_q - 1 if ahead else own_row)
+                                    self.pages.fmt, layer.scale, s_q - 1 if ahead else own_row,
+                                    batch.most_groups)
         if now or measure or pre:  # the output row's top-k (from the pass unless ahead)
             wanted = self._wanted(pool, layer, reqs, per_head, lse_exact, batch, own_row,
                                   None if ahead else quant[2])
@@ -203,7 +204,8 @@ class SpeCacheMethod(MiniKVMethod):
         row_lse = lse_exact[:, row].view(n, h, g).reshape(n * h, g)
         if logits is None:
             logits = ops.quant_logits(per_head[:, row], pool, batch.group_table,
-                                      batch.group_count, self.pages.fmt, layer.scale)
+                                      batch.group_count, self.pages.fmt, layer.scale,
+                                      batch.most_groups)
         # Folded generated tokens count in the probabilities but cannot be fetched. They follow
         # each request's prompt groups: only the columns past the shortest prompt's are read.
         fetchable = [self._fetchable(r.prompt_len) for r in reqs]
