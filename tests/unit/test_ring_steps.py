@@ -129,7 +129,6 @@ def test_guess_rows_are_never_written_nor_folded(one_request):
         assert torch.equal(a.kv_cache.view(torch.int32), b.kv_cache.view(torch.int32))
 
 
-
 @pytest.mark.parametrize("async_scheduling, speculative, exact", [
     (False, None, True), (True, None, True), (False, {"method": "ngram"}, True),
     (True, {"method": "eagle"}, False)])

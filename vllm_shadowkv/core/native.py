@@ -29,6 +29,8 @@ from pathlib import Path
 
 import torch
 
+from .quant_attention import longest
+
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
@@ -417,8 +419,6 @@ def quant_attention(q, groups, group_table, group_count, fmt, scale, logits_row=
     q = q.contiguous()
     table = group_table if group_table.stride(-1) == 1 else group_table.contiguous()
     table, counts = table.to(torch.int32), _int32(group_count)
-    from .quant_attention import longest
-
     width = longest(counts, most_groups) * fmt.group
     logits = None
     if logits_row is not None:

@@ -269,7 +269,8 @@ class MiniKVPages:
             return out.permute(0, 2, 1).contiguous()
 
         return BatchPlan(group_table=table.contiguous(), group_count=counts,
-                         most_groups=max(sizes, default=0), key_rows=padded("key_rows"), value_rows=padded("value_rows"),
+                         most_groups=max(sizes, default=0), key_rows=padded("key_rows"),
+                         value_rows=padded("value_rows"),
                          row_count=torch.tensor([p.key_rows.shape[1] for p in plans],
                                                 device=device))
 
