@@ -11,6 +11,7 @@ RESULT:  {"backends": {layer: backend name}, "runner": {"class", "v1", ...},
           "rank_stats": [[kv_compression_stats of each rank] after each batch] (plugin methods only),
           "spec_decode": {counter: value} at the end (with disable_log_stats False in
           engine_kwargs; speculative decoding set by the user or by the plugin),
+          "prefix_cache": {"queries", "hits"} in tokens at the end (the same condition),
           "host_waits": [{"layer", "reads", "copies"} per decode-only layer call] (with
           "count_host_waits": true in REQUEST)}
 """
@@ -99,9 +100,12 @@ if __name__ == "__main__":  # vLLM spawns its engine core: keep the entry point 
     if request.get("engine_kwargs", {}).get("disable_log_stats") is False:
         from vllm.v1.metrics.reader import Counter
 
-        result["spec_decode"] = {
-            m.name: m.value for m in llm.get_metrics()
-            if m.name.startswith("vllm:spec_decode") and isinstance(m, Counter)}
+        counters = {m.name: m.value for m in llm.get_metrics() if isinstance(m, Counter)}
+        result["spec_decode"] = {name: value for name, value in counters.items()
+                                 if name.startswith("vllm:spec_decode")}
+        result["prefix_cache"] = {name.removeprefix("vllm:prefix_cache_"): value
+                                  for name, value in counters.items()
+                                  if name.startswith("vllm:prefix_cache_")}
     if request.get("count_host_waits"):
         result["host_waits"] = [json.loads(line) for line in open(HOST_WAITS)]
     open(sys.argv[2], "w").write(json.dumps(result))

@@ -58,9 +58,9 @@ def engine(model, method, settings=None, **kwargs):
 
     extra = {"attention_backend": method,
              "additional_config": {method: settings or full(method)}} if method else {}
-    kwargs = {"max_model_len": MAX_LEN, **kwargs}
-    return LLM(model=model, enforce_eager=True, enable_prefix_caching=False, seed=0,
-               worker_extension_cls=EXTENSION_CLASS, **extra, **kwargs)
+    kwargs = {"max_model_len": MAX_LEN, "enable_prefix_caching": False, **kwargs}
+    return LLM(model=model, enforce_eager=True, seed=0, worker_extension_cls=EXTENSION_CLASS,
+               **extra, **kwargs)
 
 
 def pool_state(llm):
@@ -259,22 +259,27 @@ def random_load(model, method):
     long (compressed) and short prompts, greedy and seeded sampling, outputs of 1-200 tokens,
     a few aborts; vLLM preempts and recomputes. Everything not aborted finishes and the pool and
     the store end empty. Lengths are fixed (ignore_eos), so the schedule is the same on any
-    machine. ``specache+speculative``: SpeCache with its guess row (speculative decoding)."""
+    machine. ``specache+speculative``: SpeCache with its guess row (speculative decoding);
+    ``+prefix``: with prefix caching, the long prompts starting with one of two prefixes."""
     from vllm import SamplingParams
 
-    method, _, prefetch = method.partition("+")
+    method, *options = method.split("+")
     settings = small_budget(method, 64, 256) | {"max_staging_requests": 2}
-    settings |= {"prefetch": prefetch} if prefetch else {}
+    settings |= {"prefetch": "speculative"} if "speculative" in options else {}
+    prefix = "prefix" in options
     staged = page_layout(method, settings).peak_blocks(MAX_LEN)
     llm = engine(model, method, settings=settings, max_num_batched_tokens=256, max_num_seqs=8,
-                 num_gpu_blocks_override=staged + 2,
+                 num_gpu_blocks_override=staged + 2, enable_prefix_caching=prefix,
                  disable_log_stats=False)  # for get_metrics()
     eng, rng = llm.llm_engine, random.Random(1)
     added, live, finished, aborted = 0, set(), [], []
     while added < 60 or eng.has_unfinished_requests():
         if added < 60 and rng.random() < 0.5:
             long = rng.random() < 0.4
-            prompt = text(rng.randint(60, 150) if long else rng.randint(1, 30), 100 + added)
+            if long and prefix:
+                prompt = f"{text(70, rng.randint(1, 2))} {text(rng.randint(1, 80), 100 + added)}"
+            else:
+                prompt = text(rng.randint(60, 150) if long else rng.randint(1, 30), 100 + added)
             params = SamplingParams(temperature=rng.choice([0, 0.8]),
                                     seed=rng.choice([None, added]),
                                     max_tokens=rng.randint(1, 200), ignore_eos=True)
@@ -294,7 +299,7 @@ def random_load(model, method):
     return {"finished": finished, "aborted": aborted, "after": pool_state(llm),
             "metrics": {k: v for k, v in metrics.items() if k in (
                 "vllm:num_preemptions", "vllm:spec_decode_num_drafts",
-                "vllm:spec_decode_num_accepted_tokens")}}
+                "vllm:spec_decode_num_accepted_tokens", "vllm:prefix_cache_hits")}}
 
 
 SCENARIOS = {f.__name__: f for f in (preemption, abort, store_full, reference, thousand_requests,

@@ -77,7 +77,8 @@ def test_thousand_mixed_requests_leave_pool_and_store_empty(method, tiny_model, 
     assert (result["after"]["store"]["allocated_bytes"] > 0) == uses_host_store(method)
 
 
-@pytest.mark.parametrize("method", list(METHODS) + ["specache+speculative"])
+@pytest.mark.parametrize("method", list(METHODS) + ["specache+speculative"] + [
+    f"{m}+prefix" for m, cls in METHODS.items() if not cls.prefix_caching_off])
 def test_random_load_with_preemptions_and_aborts_leaves_pool_and_store_empty(method, tiny_model,
                                                                            tmp_path):
     result = run("random_load", tiny_model, tmp_path, method)
@@ -85,9 +86,11 @@ def test_random_load_with_preemptions_and_aborts_leaves_pool_and_store_empty(met
     assert not set(result["finished"]) & set(result["aborted"])
     metrics = result["metrics"]
     assert metrics["vllm:num_preemptions"] > 0
-    if method.endswith("+speculative"):  # guess rows ran, none accepted
+    if "+speculative" in method:  # guess rows ran, none accepted
         assert metrics["vllm:spec_decode_num_drafts"] > 0
         assert metrics["vllm:spec_decode_num_accepted_tokens"] == 0
+    # Long prompts adopted the pages of earlier ones with the same start
+    assert (metrics["vllm:prefix_cache_hits"] > 0) == method.endswith("+prefix")
     after = result["after"]
     assert "sparse" in after["finished_modes"]
     # Each request counted once however often it was preempted, every preemption recorded

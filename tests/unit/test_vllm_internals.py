@@ -66,6 +66,14 @@ def test_common_attention_metadata_fields():
     ("allocate_new_blocks", ["self", "request_id", "num_tokens", "num_tokens_main_model"]),
     ("free", ["self", "request_id"]),
     ("_remove_blocks_in_range", None),
+    # prefix caching
+    ("find_longest_cache_hit", ["block_hashes", "max_length", "kv_cache_group_ids",
+                                "block_pool", "kv_cache_spec", "drop_eagle_block",
+                                "alignment_tokens", "dcp_world_size", "pcp_world_size"]),
+    ("cache_blocks", ["self", "request", "num_tokens", "retention_interval",
+                      "replay_boundaries"]),
+    ("_has_partial_local_hit", ["self", "new_computed_blocks", "num_local_computed_tokens"]),
+    ("_get_num_evictable_blocks", ["blocks"]),
 ])
 def test_block_manager_protocol(name, params):
     """CompressedKVManager overrides or calls these methods of vLLM's single-type manager."""
@@ -83,8 +91,19 @@ def test_block_manager_state():
 
     source = inspect.getsource(SingleTypeKVCacheManager.__init__)
     for attr in ("self.req_to_blocks", "self.new_block_ids", "self._record_new_block_ids",
-                 "self.block_pool"):
+                 "self.block_pool", "self.num_cached_block", "self.kv_cache_group_id"):
         assert attr in source, f"SingleTypeKVCacheManager{attr[4:]} is gone (CompressedKVManager)"
+
+
+def test_block_pool_caches_blocks_by_any_key():
+    """CompressedKVManager.cache_blocks keys exact pages by hashes of its own in vLLM's pool."""
+    from vllm.v1.core.block_pool import BlockPool
+
+    params = list(inspect.signature(BlockPool._insert_block_hash).parameters)
+    assert params == ["self", "block_hash_with_group_id", "block", "num_tokens"], (
+        f"BlockPool._insert_block_hash{params}: CompressedKVManager.cache_blocks calls it")
+    assert "self.hash_block_size" in inspect.getsource(BlockPool.__init__), (
+        "BlockPool.hash_block_size is gone (CompressedKVManager.find_longest_cache_hit)")
 
 
 def test_layer_index_and_rotary_embedding():

@@ -61,10 +61,10 @@ def validate_engine(vllm_config, method: str) -> Stamp:
 
     register_collector()  # before the engine processes spawn: they inherit the stats directory
     cache_config, model_config = vllm_config.cache_config, vllm_config.model_config
-    if cache_config.enable_prefix_caching:
-        # Compressed pages are per request (their own basis, scales, selection): none is shared.
-        logger.warning("%s: prefix caching is not supported with compressed pages; disabling "
-                       "it (pass --no-enable-prefix-caching to silence this)", method)
+    if cache_config.enable_prefix_caching and cls.prefix_caching_off is not None:
+        logger.warning("%s: prefix caching is not supported (%s); disabling it (pass "
+                       "--no-enable-prefix-caching to silence this)", method,
+                       cls.prefix_caching_off)
         cache_config.enable_prefix_caching = False
     check_model(model_config, method, needs_rope=cls.needs_rope)
     check_kv_cache_dtype(cache_config.cache_dtype, method)

@@ -10,12 +10,21 @@ generated tokens), frees the staging once the prompt is finalized, and admits a 
 only when its rows fit in the host store and fewer than ``max_staging_requests`` prompts are
 being staged. A request that does not fit waits; the scheduler never admits work that then
 runs out of memory.
+
+Prefix caching shares exact pages that hold prompt tokens only: a short prompt's pages and a
+compressed prompt's staging. A later request with the same prefix adopts them and prefills the
+rest; a compressed one then compresses its whole prompt from them as if it had prefilled it.
+The method's region and the generated tokens are per request and never shared. An exact page
+holds ``exact_per_page`` tokens, not vLLM's ``block_size``, so pages are hashed by a key of
+their own (``page_hash``) in vLLM's block pool, which keeps evicting them as it does blocks.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cache
 
+from vllm.v1.core.kv_cache_utils import BlockHash, make_block_hash_with_group_id
 from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
 from vllm.v1.kv_cache_interface import FullAttentionSpec, UniformTypeKVCacheSpecs
 
@@ -48,7 +57,7 @@ class CompressedKVSpec(FullAttentionSpec):
 
     @property
     def layout(self) -> PageLayout:
-        return PageLayout(self.stamp.build(self.shapes))
+        return _layout(self)
 
     def max_memory_usage_bytes(self, vllm_config) -> int:
         # A request's steady footprint: what decides how many fit (vLLM's max concurrency).
@@ -65,13 +74,34 @@ class CompressedKVSpec(FullAttentionSpec):
         return specs[0]
 
 
+@cache  # the scheduler asks at every prefix-cache lookup; a spec is frozen
+def _layout(spec: CompressedKVSpec) -> PageLayout:
+    return PageLayout(spec.stamp.build(spec.shapes))
+
+
+def _first_spec(spec):
+    return spec.first_spec if isinstance(spec, UniformTypeKVCacheSpecs) else spec
+
+
+_PAGE_TAG = b"vllm-shadowkv exact page"
+
+
+def page_hash(block_hashes, page: int, per_page: int, block_size: int) -> BlockHash | None:
+    """Prefix-cache key of exact page ``page`` (tokens ``[page, page + 1) * per_page``): vLLM's
+    chained hash of the first block that covers the page's last token, which names every token
+    before it, and the page's index. None while that block is not full."""
+    block = -(-(page + 1) * per_page // block_size) - 1
+    if block >= len(block_hashes):
+        return None
+    return BlockHash(bytes(block_hashes[block]) + _PAGE_TAG + page.to_bytes(4, "big"))
+
+
 class CompressedKVManager(FullAttentionManager):
     supports_fine_grained_hash_lookup = False
 
     def __init__(self, kv_cache_spec, **kwargs) -> None:
         super().__init__(kv_cache_spec, **kwargs)
-        spec = (kv_cache_spec.first_spec if isinstance(kv_cache_spec, UniformTypeKVCacheSpecs)
-                else kv_cache_spec)
+        spec = _first_spec(kv_cache_spec)
         self.layout = spec.layout
         stamp = spec.stamp
         self.max_staging = stamp.settings.max_staging_requests
@@ -106,17 +136,19 @@ class CompressedKVManager(FullAttentionManager):
                                    total_computed_tokens, num_local_computed_tokens,
                                    num_tokens_main_model, apply_admission_cap=False,
                                    prefill_end=0) -> int:
-        assert not new_computed_blocks, "compressed pages run without prefix caching"
         prompt_len = self.prompt_len.get(request_id, prefill_end)
         held = self.req_to_blocks.get(request_id, ())
         if not held and not self._can_admit(prompt_len):
             return self.block_pool.num_gpu_blocks + 1  # cannot be met now: the request waits
-        return max(self.layout.blocks_needed(prompt_len, num_tokens) - len(held), 0)
+        missing = self.layout.blocks_needed(prompt_len, num_tokens) - len(held)
+        # Prefix-cache hits cost no new page, but those in the free queue leave it.
+        return (max(missing - len(new_computed_blocks), 0)
+                + self._get_num_evictable_blocks(new_computed_blocks))
 
     def allocate_new_blocks(self, request_id, num_tokens, num_tokens_main_model):
         prompt_len = self.prompt_len[request_id]
         req_blocks = self.req_to_blocks[request_id]
-        if not req_blocks and self.layout.is_sparse(prompt_len):
+        if request_id not in self.store_reserved and self.layout.is_sparse(prompt_len):
             self._reserve_store(request_id, prompt_len)
         missing = self.layout.blocks_needed(prompt_len, num_tokens) - len(req_blocks)
         if missing <= 0:
@@ -126,6 +158,63 @@ class CompressedKVManager(FullAttentionManager):
         if self._record_new_block_ids:
             self.new_block_ids.extend(b.block_id for b in new_blocks)
         return new_blocks
+
+    # -- prefix caching -----------------------------------------------------------------------
+    @classmethod
+    def find_longest_cache_hit(cls, block_hashes, max_length, kv_cache_group_ids, block_pool,
+                               kv_cache_spec, drop_eagle_block, alignment_tokens,
+                               dcp_world_size=1, pcp_world_size=1):
+        """The longest run of cached exact pages from the prompt's start. It may end inside a
+        vLLM block (``alignment_tokens``): the hit's last page is whole, so the request never
+        writes into a shared page and needs no copy-on-write (``_has_partial_local_hit``)."""
+        spec = _first_spec(kv_cache_spec)
+        assert block_pool.hash_block_size == spec.block_size, "one hash per block expected"
+        per_page = spec.layout.exact_per_page
+        hits: tuple[list, ...] = tuple([] for _ in kv_cache_group_ids)
+        page = 0
+        while (page + 1) * per_page <= max_length:
+            key = page_hash(block_hashes, page, per_page, spec.block_size)
+            cached = key is not None and block_pool.get_cached_block(key, kv_cache_group_ids)
+            if not cached:
+                break
+            for group, block in zip(hits, cached):
+                group.append(block)
+            page += 1
+        if drop_eagle_block and page:
+            page -= 1
+            for group in hits:
+                del group[page:]
+        return hits, page * per_page
+
+    def within_prompt(self, pages: list, hit_length: int, prompt_len: int) -> tuple[list, int]:
+        """A compressed request's hit must end before its prompt does, so that a step completes
+        the prompt and compresses it: only a recomputed (preempted) request, whose lookup
+        covers its generated tokens too, can be offered more (``patches/prefix_cache_hits``)."""
+        if not self.layout.is_sparse(prompt_len) or hit_length < prompt_len:
+            return pages, hit_length
+        kept = (prompt_len - 1) // self.layout.exact_per_page
+        return pages[:kept], kept * self.layout.exact_per_page
+
+    def _has_partial_local_hit(self, new_computed_blocks, num_local_computed_tokens) -> bool:
+        return False  # hits are whole pages (find_longest_cache_hit)
+
+    def cache_blocks(self, request, num_tokens, retention_interval=None, *,
+                     replay_boundaries=()) -> None:
+        """Hash the request's pages that hold prompt tokens only, as they are scheduled (vLLM's
+        rule: a request hitting them in the same step reads them after this step's writes)."""
+        req_id, per_page = request.request_id, self.layout.exact_per_page
+        blocks, done = self.req_to_blocks[req_id], self.num_cached_block.get(req_id, 0)
+        full = min(num_tokens, request.num_prompt_tokens) // per_page
+        for page in range(done, full):
+            key = page_hash(request.block_hashes, page, per_page, self.block_size)
+            if key is None:
+                full = page
+                break
+            if not blocks[page].is_null:
+                self.block_pool._insert_block_hash(
+                    make_block_hash_with_group_id(key, self.kv_cache_group_id), blocks[page],
+                    num_tokens=(page + 1) * per_page)
+        self.num_cached_block[req_id] = max(done, full)
 
     def free(self, request_id: str) -> None:
         super().free(request_id)

@@ -173,6 +173,10 @@ class KVMethod(ABC):
     # prefill's kernel gives it (CUDA's paged Triton kernel; vLLM's CPU kernel does not, and
     # the method then pays a pass of its own).
     needs_prefill_lse: ClassVar[bool] = False
+    # Why vLLM's prefix caching cannot serve the method, or None. It shares the exact pages of
+    # prompt tokens (backend/kv_spec.py), so a method whose ``finalize`` needs only the
+    # prompt's keys and values gets it; one that gathers from every prefill chunk does not.
+    prefix_caching_off: ClassVar[str | None] = None
     capacity_claim: ClassVar[tuple[dict[str, Any], float]]
     """The method's capacity claim: with these settings, at Llama-3.1-8B attention shapes and
     prompts of each of ``capacity_lengths`` tokens, vLLM's maximum concurrency is at least this

@@ -49,6 +49,8 @@ class MiniKVMethod(KVMethod):
     settings_cls = MiniKVSettings
     needs_rope = False  # post-RoPE keys are stored as they come
     needs_prefill_lse = True  # the column sums normalise by it (CUDA; the CPU's C attention)
+    prefix_caching_off = ("the heavy hitters are scored by the attention of every prompt row, "
+                          "which a cached prefix does not run")
     # The paper's defaults (§5.1): 2 bits, 25 % heavy hitters (pyramid) + 25 % recent window.
     capacity_claim = ({}, 7.0)
     capacity_lengths = (32768, 131072)

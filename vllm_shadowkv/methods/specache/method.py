@@ -41,6 +41,7 @@ class SpeCacheMethod(MiniKVMethod):
     capacity_claim = ({}, 9.0)
     capacity_lengths = (32768, 131072)
     needs_prefill_lse = False  # every token is kept: no heavy hitters to score
+    prefix_caching_off = None  # nothing is gathered while prefilling
 
     def __init__(self, settings: SpeCacheSettings, shapes: KVShapes) -> None:
         super().__init__(settings, shapes)

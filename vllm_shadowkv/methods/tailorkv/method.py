@@ -39,6 +39,7 @@ class TailorKVMethod(MiniKVMethod):
     capacity_claim = ({"q_layers": [0]}, 9.0)
     capacity_lengths = (32768, 131072)
     needs_prefill_lse = False  # no heavy hitters: every token is kept or offloaded
+    prefix_caching_off = None  # nothing is gathered while prefilling
 
     def __init__(self, settings: TailorKVSettings, shapes: KVShapes) -> None:
         super().__init__(settings, shapes)

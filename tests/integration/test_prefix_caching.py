@@ -1,0 +1,64 @@
+"""vLLM's prefix caching through every method (CPU, fresh processes, tiny local model): a
+request whose prompt starts like an earlier one adopts that prompt's exact pages, prefills the
+rest and is compressed as if it had prefilled it all."""
+
+import pytest
+from engine_utils import (PROMPTS, assert_greedy_close, default_settings,
+                          generate_in_fresh_process)
+from test_engine_sparse import long_prompt
+
+from vllm_shadowkv.methods import METHODS
+
+pytestmark = pytest.mark.slow
+
+SHARED = long_prompt(500, 0)  # about 3.1K tokens: compressed from 2048
+# Batch 2 repeats batch 1's prompts and extends them: hits on a compressed prompt's staging and
+# on a short prompt's pages, within one step and across batches.
+BATCHES = [[SHARED + " first", PROMPTS[2]],
+           [SHARED + " second", PROMPTS[2] + " again", SHARED + " first"]]
+COMMON = {"batches": BATCHES, "max_tokens": 12,
+          "engine_kwargs": {"max_model_len": 4096, "max_num_batched_tokens": 1024,
+                            "enable_prefix_caching": True, "disable_log_stats": False}}
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model, tmp_path_factory):
+    return generate_in_fresh_process({**COMMON, "model": tiny_model, "attention_backend": None},
+                                     tmp_path_factory.mktemp("ref"))
+
+
+@pytest.mark.parametrize("method", list(METHODS))
+def test_prefix_cache_hits_equal_the_default_backend(method, tiny_model, reference, tmp_path):
+    settings = METHODS[method].covering_settings(256, 4096) | {"min_sparse_len": 2048}
+    test = generate_in_fresh_process(
+        {**COMMON, "model": tiny_model, "attention_backend": method,
+         "engine_kwargs": {**COMMON["engine_kwargs"], "additional_config": {method: settings}}},
+        tmp_path)
+    for ref_batch, test_batch in zip(reference["batches"], test["batches"]):
+        assert_greedy_close(ref_batch, test_batch, names=("default", method))
+    hits = test["prefix_cache"]["hits"]
+    if METHODS[method].prefix_caching_off:
+        assert hits == 0
+        return
+    # Both long prompts of batch 2 adopt the shared pages, whole multiples of a page and a block.
+    assert hits >= 2 * 1024 + len(PROMPTS[2]) // 2, test["prefix_cache"]
+    finished = test["stats"][1]["finished"].values()  # both batches'
+    assert sorted(s["mode"] for s in finished) == ["dense"] * 2 + ["sparse"] * 3
+    assert all(s["decode_steps"] > 0 for s in finished if s["mode"] == "sparse")
+
+
+@pytest.mark.parametrize("method", [m for m, cls in METHODS.items() if not cls.prefix_caching_off])
+def test_a_hit_compresses_the_prompt_as_its_cold_prefill_did(method, tiny_model, tmp_path):
+    """At the method's defaults (lossy): the same prompt again, its prefix adopted, is compressed
+    from the same keys and values and generates the same tokens (SpeCache: its guess rows too)."""
+    settings = default_settings(method, min_sparse_len=2048)
+    prompt = SHARED + " first"
+    test = generate_in_fresh_process(
+        {**COMMON, "batches": [[prompt], [prompt]], "model": tiny_model,
+         "attention_backend": method,
+         "engine_kwargs": {**COMMON["engine_kwargs"], "additional_config": {method: settings}}},
+        tmp_path)
+    assert test["prefix_cache"]["hits"] >= 2048
+    cold, hit = test["batches"]
+    assert_greedy_close(cold, hit, names=("cold", "hit"))
+    assert [s["mode"] for s in test["stats"][1]["finished"].values()] == ["sparse", "sparse"]
