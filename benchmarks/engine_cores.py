@@ -8,6 +8,7 @@ worker's OpenMP threads to all of them (``utils/ompmultiprocessing.py``); vLLM s
 """
 
 import os
+import subprocess
 
 
 def engine_cores_env(threads: int = 0) -> dict[str, str]:
@@ -19,3 +20,15 @@ def engine_cores_env(threads: int = 0) -> dict[str, str]:
     cores = cores[:threads or None]
     return {"OMP_NUM_THREADS": str(len(cores)),
             "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cores))}
+
+
+def machine() -> str:
+    """"<cores>-core <CPU model>", as the results name the machine they ran on."""
+    cpu = "unknown CPU"
+    try:
+        for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines():
+            if line.startswith("Model name:"):
+                cpu = line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return f"{os.cpu_count()}-core {cpu}"

@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-from engine_cores import engine_cores_env  # benchmarks/engine_cores.py
+from engine_cores import engine_cores_env, machine  # benchmarks/engine_cores.py
 
 MiB = 1 << 20
 PAPER_SHADOWKV = {"rank": 160, "chunk_size": 8, "outlier_chunks": 48, "local_window": 32}
@@ -135,11 +135,8 @@ def main() -> None:
     rows = {f"{r['backend']}{'' if r['prefix_caching'] else ', no prefix caching'}": summary(r)
             for r in runs}
     default, method, before = rows.values()
-    cpu = next((line.split(":", 1)[1].strip() for line in subprocess.run(
-        ["lscpu"], capture_output=True, text=True).stdout.splitlines()
-        if line.startswith("Model name:")), "unknown CPU")
     meta = {"command": " ".join([".venv/bin/python", "benchmarks/prefix_cache.py", *sys.argv[1:]]),
-            "model": Path(model).name.rsplit("-", 1)[0], "machine": f"{os.cpu_count()}-core {cpu}",
+            "model": Path(model).name.rsplit("-", 1)[0], "machine": machine(),
             "date": datetime.date.today().isoformat(), "context": args.context,
             "questions": args.questions, "gen": args.gen, "kv_mib": args.kv_mib,
             "settings": settings, "wall_s": round(time.perf_counter() - start, 1)}

@@ -53,7 +53,7 @@ import sys
 import time
 from pathlib import Path
 
-from engine_cores import engine_cores_env  # benchmarks/engine_cores.py
+from engine_cores import engine_cores_env, machine  # benchmarks/engine_cores.py
 
 OUT_DIR = Path(__file__).resolve().parent / "throughput"
 MiB = 1 << 20
@@ -365,17 +365,10 @@ def main() -> None:
         else:
             tqdm.write(f"{run['backend']} @ {run['context']}: {run.get('error')}")
     rows = ratios(runs, contexts, args.method)
-    cpu = "unknown CPU"
-    try:
-        for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines():
-            if line.startswith("Model name:"):
-                cpu = line.split(":", 1)[1].strip()
-    except OSError:
-        pass
     meta = {
         "command": " ".join([".venv/bin/python", "benchmarks/throughput.py", *sys.argv[1:]]),
         "model": Path(model).name.rsplit("-", 1)[0],
-        "machine": f"{os.cpu_count()}-core {cpu}",
+        "machine": machine(),
         "date": datetime.date.today().isoformat(),
         "contexts": contexts, "gen": args.gen, "kv_mib": args.kv_mib,
         "omp_num_threads": int(cores_env["OMP_NUM_THREADS"]), "compile": args.compile,
