@@ -3,9 +3,9 @@
 After sampling, vLLM's runner rewinds the generator of each row whose token it discards (a
 prompt chunk that is not the last) by ``gen.set_offset(gen.get_offset() - 4)``: an offset only
 CUDA's Philox generators have. A CPU generator raises "CPU Generator does not use offset" and
-the engine core dies with every request in it. The plugin's methods run without prefix caching,
-so on the CPU any seeded request whose prompt is longer than a step's token budget hits it (the
-OpenAI API's `seed`, which evaluation harnesses set).
+the engine core dies with every request in it. On the CPU any seeded request whose prompt is
+longer than a step's token budget hits it (the OpenAI API's `seed`, which evaluation harnesses
+set).
 
 Instead, those rows sample without their generator (the global one draws their discarded
 token), so the request's generator is not advanced at all: what the rewind achieves on CUDA,
