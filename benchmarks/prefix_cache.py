@@ -24,10 +24,12 @@ import sys
 import time
 from pathlib import Path
 
-from engine_cores import engine_cores_env, machine  # benchmarks/engine_cores.py
+from engine_cores import engine_cores_env, engine_env, machine  # benchmarks/engine_cores.py
+from throughput import shadowkv_settings  # the paper's ratio, as throughput.py runs it
 
 MiB = 1 << 20
-PAPER_SHADOWKV = {"rank": 160, "chunk_size": 8, "outlier_chunks": 48, "local_window": 32}
+PAPER_SHADOWKV = argparse.Namespace(rank=160, chunk_size=8, sparsity=1 / 64, outlier_chunks=48,
+                                    local_window=32)
 
 
 def child(job: dict) -> dict:
@@ -62,10 +64,9 @@ def child(job: dict) -> dict:
 
 
 def run_child(job: dict, cores_env: dict, timeout: float) -> dict:
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", **cores_env}
-    env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override kv_cache_memory_bytes
-    proc = subprocess.run([sys.executable, __file__, "--child-job", json.dumps(job)], env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run([sys.executable, __file__, "--child-job", json.dumps(job)],
+                          env=engine_env(cores_env), capture_output=True, text=True,
+                          timeout=timeout)
     if proc.returncode != 0:
         raise RuntimeError(f"{job['backend']} failed ({proc.returncode}):\n{proc.stderr[-6000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -120,10 +121,12 @@ def main() -> None:
     from vllm_shadowkv.models import build_model
 
     model = args.model or str(build_model("tiny"))
+    min_sparse_len = min(args.context, 4096)
     settings = json.loads(args.settings) if args.settings else (
-        PAPER_SHADOWKV | {"sparse_budget": max(8, args.context // 64 // 8 * 8)}
+        shadowkv_settings(argparse.Namespace(**vars(PAPER_SHADOWKV),
+                                             min_sparse_len=min_sparse_len), args.context)
         if args.method == "shadowkv" else {})
-    settings |= {"min_sparse_len": min(args.context, 4096)}
+    settings |= {"min_sparse_len": min_sparse_len}
     common = {"model": model, "context": args.context, "questions": args.questions,
               "gen": args.gen, "kv_bytes": args.kv_mib * MiB, "warmup_len": min(args.context, 4096)}
     jobs = [{"backend": "default", "prefix_caching": True},

@@ -53,7 +53,7 @@ import sys
 import time
 from pathlib import Path
 
-from engine_cores import engine_cores_env, machine  # benchmarks/engine_cores.py
+from engine_cores import engine_cores_env, engine_env, machine  # benchmarks/engine_cores.py
 
 OUT_DIR = Path(__file__).resolve().parent / "throughput"
 MiB = 1 << 20
@@ -203,13 +203,9 @@ def child_main(args) -> None:
 
 # -- parent ------------------------------------------------------------------------------------
 def run_child(job: dict, out: Path, timeout: float, cores_env: dict) -> dict:
-    env = dict(os.environ)
-    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override kv_cache_memory_bytes
-    env.pop("TRITON_INTERPRET", None)
-    env.update(cores_env)
     cmd = [sys.executable, __file__, "--child-out", str(out), "--child-job", json.dumps(job)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(cmd, env=engine_env(cores_env), capture_output=True, text=True,
+                          timeout=timeout)
     if proc.returncode != 0 or not out.exists():
         raise RuntimeError(f"{job['backend']} @ {job['context']} failed ({proc.returncode}):\n"
                            f"{proc.stderr[-8000:]}")
