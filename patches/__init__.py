@@ -6,13 +6,13 @@ misbehaving. ``apply_all`` is idempotent (vLLM loads plugins several times per p
 """
 
 from vllm_shadowkv.patches import (cpu_backend_selection, cpu_seeded_sampling, guess_config,
-                                   guess_row, kernel_warm_up, layer_kv_spec, model_runner_v1,
-                                   pre_decode, predicted_query, prefix_cache_hits,
-                                   runner_requests, startup_validation)
+                                   guess_row, kernel_warm_up, kv_cache_events, layer_kv_spec,
+                                   model_runner_v1, pre_decode, predicted_query,
+                                   prefix_cache_hits, runner_requests, startup_validation)
 
 PATCHES = (cpu_backend_selection, startup_validation, runner_requests, layer_kv_spec,
            model_runner_v1, guess_row, pre_decode, guess_config, predicted_query,
-           kernel_warm_up, cpu_seeded_sampling, prefix_cache_hits)
+           kernel_warm_up, cpu_seeded_sampling, prefix_cache_hits, kv_cache_events)
 
 
 class PatchTargetChanged(RuntimeError):

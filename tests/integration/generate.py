@@ -13,7 +13,10 @@ RESULT:  {"backends": {layer: backend name}, "runner": {"class", "v1", ...},
           engine_kwargs; speculative decoding set by the user or by the plugin),
           "prefix_cache": {"queries", "hits"} in tokens at the end (the same condition),
           "host_waits": [{"layer", "reads", "copies"} per decode-only layer call] (with
-          "count_host_waits": true in REQUEST)}
+          "count_host_waits": true in REQUEST),
+          "kv_events": [{"type": "stored" | "removed" | "cleared", "block_hashes", "parent",
+          "tokens"} as a KV-aware router receives them over vLLM's ZMQ publisher] (with
+          "kv_events": true in REQUEST)}
 """
 
 import json
@@ -53,6 +56,46 @@ def count_host_waits() -> None:
     EngineImpl._run = counted
 
 
+class KVEventSubscriber:
+    """What a KV-aware router receives: vLLM's ZMQ publisher on an IPC endpoint of the working
+    directory, subscribed before the engine starts (vLLM binds it)."""
+
+    def __init__(self) -> None:
+        import os
+
+        import zmq
+
+        self.endpoint = f"ipc:///tmp/vllm-shadowkv-kv-events-{os.getpid()}"  # short: a socket path
+        self.socket = zmq.Context.instance().socket(zmq.SUB)
+        self.socket.connect(self.endpoint)
+        self.socket.setsockopt(zmq.SUBSCRIBE, b"")
+
+    def config(self):
+        from vllm.config import KVEventsConfig
+
+        return KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
+                              endpoint=self.endpoint)
+
+    def drain(self, quiet_s: float = 2.0) -> list[dict]:
+        import msgspec
+        from vllm.distributed.kv_events import (AllBlocksCleared, BlockRemoved, BlockStored,
+                                                KVEventBatch)
+
+        decoder, events = msgspec.msgpack.Decoder(type=KVEventBatch), []
+        while self.socket.poll(int(quiet_s * 1000)):
+            _, _, payload = self.socket.recv_multipart()
+            for event in decoder.decode(payload).events:
+                if isinstance(event, BlockStored):
+                    events.append({"type": "stored", "block_hashes": event.block_hashes,
+                                   "parent": event.parent_block_hash,
+                                   "tokens": list(event.token_ids)})
+                elif isinstance(event, BlockRemoved):
+                    events.append({"type": "removed", "block_hashes": event.block_hashes})
+                elif isinstance(event, AllBlocksCleared):
+                    events.append({"type": "cleared"})
+        return events
+
+
 if __name__ == "__main__":  # vLLM spawns its engine core: keep the entry point guarded
     from vllm import LLM, SamplingParams
 
@@ -61,6 +104,10 @@ if __name__ == "__main__":  # vLLM spawns its engine core: keep the entry point 
     request = json.loads(open(sys.argv[1]).read())
     if request.get("count_host_waits"):
         count_host_waits()
+    engine_kwargs = request.get("engine_kwargs", {})
+    if request.get("kv_events"):
+        subscriber = KVEventSubscriber()
+        engine_kwargs = {**engine_kwargs, "kv_events_config": subscriber.config()}
     start = time.monotonic()
     llm = LLM(
         model=request["model"],
@@ -68,7 +115,7 @@ if __name__ == "__main__":  # vLLM spawns its engine core: keep the entry point 
         worker_extension_cls=EXTENSION_CLASS,
         enforce_eager=True,
         seed=0,
-        **request.get("engine_kwargs", {}),
+        **engine_kwargs,
     )
     start_s = time.monotonic() - start
     params = SamplingParams(temperature=0.0, max_tokens=request.get("max_tokens", 16), logprobs=5,
@@ -108,4 +155,6 @@ if __name__ == "__main__":  # vLLM spawns its engine core: keep the entry point 
                                   if name.startswith("vllm:prefix_cache_")}
     if request.get("count_host_waits"):
         result["host_waits"] = [json.loads(line) for line in open(HOST_WAITS)]
+    if request.get("kv_events"):
+        result["kv_events"] = subscriber.drain()
     open(sys.argv[2], "w").write(json.dumps(result))

@@ -16,7 +16,7 @@ SHARED = long_prompt(500, 0)  # about 3.1K tokens: compressed from 2048
 # on a short prompt's pages, within one step and across batches.
 BATCHES = [[SHARED + " first", PROMPTS[2]],
            [SHARED + " second", PROMPTS[2] + " again", SHARED + " first"]]
-COMMON = {"batches": BATCHES, "max_tokens": 12,
+COMMON = {"batches": BATCHES, "max_tokens": 12, "kv_events": True,
           "engine_kwargs": {"max_model_len": 4096, "max_num_batched_tokens": 1024,
                             "enable_prefix_caching": True, "disable_log_stats": False}}
 
@@ -38,13 +38,35 @@ def test_prefix_cache_hits_equal_the_default_backend(method, tiny_model, referen
         assert_greedy_close(ref_batch, test_batch, names=("default", method))
     hits = test["prefix_cache"]["hits"]
     if METHODS[method].prefix_caching_off:
-        assert hits == 0
+        assert hits == 0 and not test["kv_events"]
         return
     # Both long prompts of batch 2 adopt the shared pages, whole multiples of a page and a block.
     assert hits >= 2 * 1024 + len(PROMPTS[2]) // 2, test["prefix_cache"]
     finished = test["stats"][1]["finished"].values()  # both batches'
     assert sorted(s["mode"] for s in finished) == ["dense"] * 2 + ["sparse"] * 3
     assert all(s["decode_steps"] > 0 for s in finished if s["mode"] == "sparse")
+    assert_router_learns_the_default_backends_blocks(test["kv_events"], reference["kv_events"])
+
+
+def stored_blocks(events) -> dict:
+    """{block hash: its tokens} of the ``BlockStored`` events."""
+    blocks = {}
+    for event in (e for e in events if e["type"] == "stored"):
+        size = len(event["tokens"]) // len(event["block_hashes"])
+        for i, name in enumerate(event["block_hashes"]):
+            blocks[name] = event["tokens"][i * size:(i + 1) * size]
+    return blocks
+
+
+def assert_router_learns_the_default_backends_blocks(events, reference_events):
+    """A KV-aware router (vLLM's ZMQ events) learns blocks by the hashes that vLLM's default
+    backend announces for the same prompts: the shared prompt's blocks, each with its tokens,
+    and no key of the method's own pages (patches/kv_cache_events)."""
+    stored, reference = stored_blocks(events), stored_blocks(reference_events)
+    assert stored and all(reference.get(h) == tokens for h, tokens in stored.items())
+    assert sum(map(len, stored.values())) >= 2048  # the long prompt's blocks, shared
+    removed = {h for e in events if e["type"] == "removed" for h in e["block_hashes"]}
+    assert removed <= set(stored)
 
 
 @pytest.mark.parametrize("method", [m for m, cls in METHODS.items() if not cls.prefix_caching_off])

@@ -97,6 +97,13 @@ def test_patches_are_installed_on_the_live_vllm():
 
     for worker in (Worker, CPUWorker):  # patches/kernel_warm_up.py
         assert worker.compile_or_warm_up_model._shadowkv_original is not None
+    from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.core.kv_cache_coordinator import KVCacheCoordinator
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+    assert KVCacheManager.get_computed_blocks._shadowkv_original is not None  # prefix_cache_hits
+    assert BlockPool._emit_block_removed_events._shadowkv_original is not None  # kv_cache_events
+    assert KVCacheCoordinator.emit_cached_block_events._shadowkv_original is not None
 
 
 def test_released_requests_are_ended_or_suspended():

@@ -6,9 +6,11 @@ from math import lcm
 import pytest
 import torch
 from vllm import SamplingParams
+from vllm.distributed.kv_events import BlockRemoved, BlockStored
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_manager import KVCacheManager
-from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.kv_cache_utils import (get_request_block_hasher, init_none_hash,
+                                         maybe_convert_block_hash)
 from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
 from vllm.v1.request import Request
 
@@ -16,7 +18,7 @@ from vllm_shadowkv import plugin
 from vllm_shadowkv.backend.kv_spec import CompressedKVSpec, page_hash
 from vllm_shadowkv.config import Stamp, parse_settings
 from vllm_shadowkv.methods import METHODS
-from vllm_shadowkv.patches import prefix_cache_hits
+from vllm_shadowkv.patches import kv_cache_events, prefix_cache_hits
 
 BLOCK = 16
 MIN_SPARSE = 256
@@ -29,6 +31,7 @@ MIN_SPARSE = 256
 def spec(request):
     plugin.register()
     prefix_cache_hits.apply()
+    kv_cache_events.apply()
     init_none_hash(sha256)
     settings = parse_settings(METHODS["shadowkv"].settings_cls,
                               request.param | {"min_sparse_len": MIN_SPARSE})
@@ -39,16 +42,17 @@ def spec(request):
     return CompressedKVSpec.for_layer(base, stamp, 0, 2048, 2)
 
 
-def manager(spec, num_blocks=4000):
+def manager(spec, num_blocks=4000, events=False):
     config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
                            kv_cache_groups=[KVCacheGroupSpec(["layer.0"], spec)])
     return KVCacheManager(config, max_model_len=2048, scheduler_block_size=BLOCK,
-                          hash_block_size=BLOCK, enable_caching=True)
+                          hash_block_size=BLOCK, enable_caching=True,
+                          enable_kv_cache_events=events)
 
 
-def request(name, tokens):
-    return Request(name, tokens, SamplingParams(max_tokens=8), None,
-                   block_hasher=get_request_block_hasher(BLOCK, sha256))
+def request(name, tokens, **extra_args):
+    return Request(name, tokens, SamplingParams(max_tokens=8, extra_args=extra_args or None),
+                   None, block_hasher=get_request_block_hasher(BLOCK, sha256))
 
 
 def schedule(kv, req, blocks=None, hit=0):
@@ -115,3 +119,47 @@ def test_a_recomputed_compressed_request_prefills_its_last_prompt_page_again(spe
     kv.free(short)
     short.num_computed_tokens = 0
     assert kv.get_computed_blocks(short)[1] == step
+
+
+def stored_chain(events) -> list:
+    """The block hashes a router learns from ``BlockStored`` events, checked to chain."""
+    chain = []
+    for event in events:
+        if isinstance(event, BlockStored):
+            assert event.parent_block_hash == (chain[-1] if chain else None)
+            assert len(event.token_ids) == len(event.block_hashes) * BLOCK
+            chain.extend(event.block_hashes)
+    return chain
+
+
+def test_kv_cache_events_speak_of_vllms_blocks(spec):
+    """A KV-aware router indexes vLLM's chained block hashes: the pages' events must name the
+    blocks a hit can reach, never the pages' own keys (patches/kv_cache_events)."""
+    # A pool that holds one longest prompt while it is prefilled, so a second one evicts pages.
+    num_blocks = spec.layout.peak_blocks(2048) + 2
+    kv, per_page = manager(spec, num_blocks, events=True), spec.layout.exact_per_page
+    prompt = list(range(1, 1000))
+    first = request("first", prompt)
+    names = [maybe_convert_block_hash(h) for h in first.block_hashes]
+    schedule(kv, first)
+    # Every block whose pages (and all before) are cached: a hit on it ends within a page of it.
+    pages = len(prompt) // per_page
+    announced = ((pages + 1) * per_page - 1) // BLOCK
+    stored = stored_chain(kv.take_events())
+    assert stored == names[:announced] and announced >= len(prompt) // BLOCK - 1
+    hit = kv.get_computed_blocks(request("probe", prompt + [9]))[1]
+    assert hit >= announced * BLOCK - per_page + 1
+    kv.free(first)
+
+    # A request asking for its hits to be reported ("full") gets them in blocks (it failed with
+    # an IndexError: vLLM counted the hit's pages as blocks).
+    again = request("again", prompt[:-1] + [7], kv_cache_report_mode="full")
+    blocks, hit, _ = kv.get_computed_blocks(again)
+    assert hit and stored_chain(kv.take_events()) == names[:announced]
+
+    # Evicting the pages (new requests take every free block) removes blocks, by vLLM's hashes.
+    other = request("other", [5] * 2040)
+    schedule(kv, other)
+    removed = [h for e in kv.take_events() if isinstance(e, BlockRemoved) for h in e.block_hashes]
+    assert removed and set(removed) <= set(names[:announced])
+    assert kv.get_computed_blocks(request("probe2", prompt + [9]))[1] < announced * BLOCK

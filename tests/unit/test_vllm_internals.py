@@ -106,6 +106,23 @@ def test_block_pool_caches_blocks_by_any_key():
         "BlockPool.hash_block_size is gone (CompressedKVManager.find_longest_cache_hit)")
 
 
+def test_block_pool_words_kv_cache_events():
+    """CompressedKVManager announces the blocks its pages fill as vLLM's pool announces its own."""
+    from vllm.v1.core import kv_cache_utils
+    from vllm.v1.core.block_pool import BlockPool
+
+    params = list(inspect.signature(BlockPool._build_block_stored_event).parameters)
+    assert params == ["self", "request", "block_hashes", "parent_block_hash", "start_token_idx",
+                      "end_token_idx", "block_size", "kv_cache_group_id", "extra_keys_list"], (
+        f"BlockPool._build_block_stored_event{params}: CompressedKVManager._announce calls it")
+    source = inspect.getsource(BlockPool.__init__)
+    for attr in ("self.kv_event_queue", "self.enable_kv_cache_events"):
+        assert attr in source, f"BlockPool{attr[4:]} is gone (CompressedKVManager._announce)"
+    params = list(inspect.signature(kv_cache_utils.generate_block_hash_extra_keys).parameters)
+    assert params == ["request", "start_token_idx", "end_token_idx", "start_mm_idx"], (
+        f"generate_block_hash_extra_keys{params}: CompressedKVManager._announce calls it")
+
+
 def test_layer_index_and_rotary_embedding():
     """EngineImpl: the layer index from its name, and the model's own rotary embedding."""
     from vllm.config import VllmConfig, set_current_vllm_config

@@ -17,6 +17,9 @@ rest; a compressed one then compresses its whole prompt from them as if it had p
 The method's region and the generated tokens are per request and never shared. An exact page
 holds ``exact_per_page`` tokens, not vLLM's ``block_size``, so pages are hashed by a key of
 their own (``page_hash``) in vLLM's block pool, which keeps evicting them as it does blocks.
+KV-cache events speak of vLLM's blocks, as a KV-aware router hashes a prompt: a block is stored
+once the pages that lie in it and before it are cached (``announced_blocks``), and removed
+when one of them is evicted (``page_block``, ``patches/kv_cache_events``).
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cache
 
-from vllm.v1.core.kv_cache_utils import BlockHash, make_block_hash_with_group_id
+from vllm.v1.core.kv_cache_utils import (BlockHash, generate_block_hash_extra_keys,
+                                         make_block_hash_with_group_id, maybe_convert_block_hash)
 from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
 from vllm.v1.kv_cache_interface import FullAttentionSpec, UniformTypeKVCacheSpecs
 
@@ -94,6 +98,15 @@ def page_hash(block_hashes, page: int, per_page: int, block_size: int) -> BlockH
     if block >= len(block_hashes):
         return None
     return BlockHash(bytes(block_hashes[block]) + _PAGE_TAG + page.to_bytes(4, "big"))
+
+
+def page_block(key: bytes) -> BlockHash | None:
+    """The vLLM block hash inside a page's key: the first block that no hit can reach once the
+    page is evicted. None for a key that is not a page's."""
+    cut = len(_PAGE_TAG) + 4
+    if len(key) > cut and key[-cut:-4] == _PAGE_TAG:
+        return BlockHash(key[:-cut])
+    return None
 
 
 class CompressedKVManager(FullAttentionManager):
@@ -215,6 +228,31 @@ class CompressedKVManager(FullAttentionManager):
                     make_block_hash_with_group_id(key, self.kv_cache_group_id), blocks[page],
                     num_tokens=(page + 1) * per_page)
         self.num_cached_block[req_id] = max(done, full)
+        if self.block_pool.enable_kv_cache_events and full > done:
+            self._announce(request, self.announced_blocks(done, request),
+                           self.announced_blocks(full, request))
+
+    def announced_blocks(self, pages: int, request) -> int:
+        """vLLM blocks a router may count as cached once pages ``[0, pages)`` are: each block
+        whose own pages and all before it are cached, so that a hit on its prefix ends less than
+        a page before the block does (the page that crosses into the next block waits for it)."""
+        blocks = ((pages + 1) * self.layout.exact_per_page - 1) // self.block_size
+        return min(blocks, len(request.block_hashes))
+
+    def _announce(self, request, start: int, end: int) -> None:
+        """A ``BlockStored`` event for blocks ``[start, end)``, as vLLM's pool words its own."""
+        if end <= start:
+            return
+        hashes, size, extra_keys, mm = request.block_hashes, self.block_size, [], 0
+        for block in range(start, end):
+            keys, mm = generate_block_hash_extra_keys(request, block * size, (block + 1) * size, mm)
+            extra_keys.append(keys)
+        pool = self.block_pool
+        pool.kv_event_queue.append(pool._build_block_stored_event(
+            request, block_hashes=[maybe_convert_block_hash(h) for h in hashes[start:end]],
+            parent_block_hash=maybe_convert_block_hash(hashes[start - 1]) if start else None,
+            start_token_idx=start * size, end_token_idx=end * size, block_size=size,
+            kv_cache_group_id=self.kv_cache_group_id, extra_keys_list=extra_keys))
 
     def free(self, request_id: str) -> None:
         super().free(request_id)
