@@ -130,8 +130,11 @@ def test_paper_ratio_answers_needles_with_fidelity_inside_the_engine(tmp_path):
     assert max(f["relative_error"] for f in fidelity) < 0.15
 
 
-TP_JOB = {"batches": [[PROMPTS[0], long_prompt(450, 2)]],  # ~2.8K tokens
-          "max_tokens": 8, "engine_kwargs": {"max_model_len": 4096, "enable_prefix_caching": False}}
+TP_LONG = long_prompt(450, 2)  # ~2.8K tokens
+# The second batch asks about the first's long prompt again: a prefix-cache hit on both ranks.
+TP_JOB = {"batches": [[PROMPTS[0], TP_LONG], [TP_LONG + " Once more."]], "max_tokens": 8,
+          "engine_kwargs": {"max_model_len": 4096, "enable_prefix_caching": True,
+                            "disable_log_stats": False}}
 
 
 @pytest.fixture(scope="module")
@@ -146,7 +149,8 @@ def test_tensor_parallel_ranks_each_compress_their_own_kv_heads(method, tiny_mod
                                                                  tmp_path):
     """Tensor parallelism (2 ranks, multiprocessing executor: the CPU platform has no Ray): each
     rank holds 2 of the 4 KV heads, compresses them with its own covering settings (ShadowKV: its
-    full rank, 2 x 64) into its own host store, and the output equals the default backend's."""
+    full rank, 2 x 64) into its own host store, and the output equals the default backend's,
+    also for a prompt whose prefix both ranks adopt from vLLM's prefix cache."""
     settings = METHODS[method].covering_settings(128, 4096) | {"min_sparse_len": 2048}
     test = generate_in_fresh_process(
         {**TP_JOB, "model": tiny_model, "attention_backend": method,
@@ -154,13 +158,14 @@ def test_tensor_parallel_ranks_each_compress_their_own_kv_heads(method, tiny_mod
                            "distributed_executor_backend": "mp",
                            "additional_config": {method: settings}}},
         _dir(tmp_path, "tp2"), timeout=900, env={"VLLM_CPU_OMP_THREADS_BIND": one_core_per_rank()})
-    assert_greedy_close(tp_reference["batches"][0], test["batches"][0],
-                        names=("default", f"{method} tp2"))
-    ranks = test["rank_stats"][0]
+    for ref_batch, test_batch in zip(tp_reference["batches"], test["batches"]):
+        assert_greedy_close(ref_batch, test_batch, names=("default", f"{method} tp2"))
+    assert (test["prefix_cache"]["hits"] >= 2048) == (not METHODS[method].prefix_caching_off)
+    ranks = test["rank_stats"][-1]
     assert len(ranks) == 2
     for rank in ranks:
         modes = sorted(s["mode"] for s in rank["finished"].values())
-        assert modes == ["dense", "sparse"], modes
+        assert modes == ["dense", "sparse", "sparse"], modes
         store = rank["store"]
         assert (store["bytes_fetched"] > 0) == uses_host_store(method)
         assert store["used_bytes"] == store["num_keys"] == 0
