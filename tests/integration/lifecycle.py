@@ -260,7 +260,9 @@ def random_load(model, method):
     a few aborts; vLLM preempts and recomputes. Everything not aborted finishes and the pool and
     the store end empty. Lengths are fixed (ignore_eos), so the schedule is the same on any
     machine. ``specache+speculative``: SpeCache with its guess row (speculative decoding);
-    ``+prefix``: with prefix caching, the long prompts starting with one of two prefixes."""
+    ``+prefix``: with prefix caching, the long prompts starting with one of two prefixes, and
+    the prefix cache reset halfway with the running requests preempted (what RL frameworks do
+    after a weight update) and again at the end."""
     from vllm import SamplingParams
 
     method, *options = method.split("+")
@@ -272,8 +274,10 @@ def random_load(model, method):
                  num_gpu_blocks_override=staged + 2, enable_prefix_caching=prefix,
                  disable_log_stats=False)  # for get_metrics()
     eng, rng = llm.llm_engine, random.Random(1)
-    added, live, finished, aborted = 0, set(), [], []
+    added, live, finished, aborted, resets = 0, set(), [], [], []
     while added < 60 or eng.has_unfinished_requests():
+        if prefix and added == 30 and not resets and len(live) > 1:
+            resets.append(llm.reset_prefix_cache(reset_running_requests=True))
         if added < 60 and rng.random() < 0.5:
             long = rng.random() < 0.4
             if long and prefix:
@@ -296,7 +300,12 @@ def random_load(model, method):
                 live.discard(out.request_id)
                 finished.append(out.request_id)
     metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
-    return {"finished": finished, "aborted": aborted, "after": pool_state(llm),
+    after = pool_state(llm)
+    if prefix:
+        resets.append(llm.reset_prefix_cache())
+        pool = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager.block_pool
+        resets.append(len(pool.cached_block_hash_to_block))
+    return {"finished": finished, "aborted": aborted, "after": after, "resets": resets,
             "metrics": {k: v for k, v in metrics.items() if k in (
                 "vllm:num_preemptions", "vllm:spec_decode_num_drafts",
                 "vllm:spec_decode_num_accepted_tokens", "vllm:prefix_cache_hits")}}

@@ -91,6 +91,8 @@ def test_random_load_with_preemptions_and_aborts_leaves_pool_and_store_empty(met
         assert metrics["vllm:spec_decode_num_accepted_tokens"] == 0
     # Long prompts adopted the pages of earlier ones with the same start
     assert (metrics["vllm:prefix_cache_hits"] > 0) == method.endswith("+prefix")
+    # Reset halfway with requests running (preempted, then recomputed), and at the end: emptied.
+    assert result["resets"] == ([True, True, 0] if method.endswith("+prefix") else [])
     after = result["after"]
     assert "sparse" in after["finished_modes"]
     # Each request counted once however often it was preempted, every preemption recorded
