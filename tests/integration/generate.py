@@ -12,6 +12,8 @@ RESULT:  {"backends": {layer: backend name}, "runner": {"class", "v1", ...},
           "spec_decode": {counter: value} at the end (with disable_log_stats False in
           engine_kwargs; speculative decoding set by the user or by the plugin),
           "prefix_cache": {"queries", "hits"} in tokens at the end (the same condition),
+          and with "follow_up": true in REQUEST one more batch: each prompt of the last batch
+          followed by its answer and its first 8 tokens again (the next turn of a chat),
           "host_waits": [{"layer", "reads", "copies"} per decode-only layer call] (with
           "count_host_waits": true in REQUEST),
           "kv_events": [{"type": "stored" | "removed" | "cleared", "block_hashes", "parent",
@@ -124,7 +126,17 @@ if __name__ == "__main__":  # vLLM spawns its engine core: keep the entry point 
     rank_runners = llm.collective_rpc("kv_compression_runner")
     result = {"backends": rank_backends[0], "rank_backends": rank_backends, "start_s": start_s,
               "runner": rank_runners[0], "rank_runners": rank_runners, "batches": []}
-    for prompts in request["batches"]:
+    batches, outputs = list(request["batches"]), []
+    if request.get("follow_up"):
+        batches.append("follow_up")
+    for prompts in batches:
+        if prompts == "follow_up":  # the next turn of a chat: the last turn, its answer, more
+            from vllm.inputs import TokensPrompt
+
+            prompts = [TokensPrompt(prompt_token_ids=[*o.prompt_token_ids,
+                                                      *o.outputs[0].token_ids,
+                                                      *o.prompt_token_ids[:8]])
+                       for o in outputs]
         outputs = llm.generate(prompts, params, use_tqdm=False)
         if request.get("count_host_waits"):
             # In-process, the step that hands the worker the finished requests (the engine

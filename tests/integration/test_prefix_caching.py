@@ -5,6 +5,7 @@ rest and is compressed as if it had prefilled it all."""
 import pytest
 from engine_utils import (PROMPTS, assert_greedy_close, default_settings,
                           generate_in_fresh_process)
+from lifecycle import page_layout
 from test_engine_sparse import long_prompt
 
 from vllm_shadowkv.methods import METHODS
@@ -84,3 +85,27 @@ def test_a_hit_compresses_the_prompt_as_its_cold_prefill_did(method, tiny_model,
     cold, hit = test["batches"]
     assert_greedy_close(cold, hit, names=("cold", "hit"))
     assert [s["mode"] for s in test["stats"][1]["finished"].values()] == ["sparse", "sparse"]
+
+
+def test_the_next_turn_of_a_chat_adopts_the_answer_as_the_default_backend_does(tiny_model,
+                                                                              tmp_path):
+    """Short (exact) requests share their generated tokens' pages too, as vLLM shares blocks:
+    a chat's next turn (prompt, answer, question) adopts the answer and generates the default
+    backend's tokens."""
+    job = {**COMMON, "batches": [[PROMPTS[1], PROMPTS[2]]], "follow_up": True, "max_tokens": 160,
+           "ignore_eos": True, "kv_events": False}
+    runs = {}
+    for method in (None, "shadowkv"):
+        (tmp_path / str(method)).mkdir()
+        config = {"additional_config": {method: default_settings(method)}} if method else {}
+        runs[method] = generate_in_fresh_process(
+            {**job, "model": tiny_model, "attention_backend": method,
+             "engine_kwargs": {**COMMON["engine_kwargs"], **config}}, tmp_path / str(method))
+    for ref_batch, test_batch in zip(runs[None]["batches"], runs["shadowkv"]["batches"]):
+        assert_greedy_close(ref_batch, test_batch, names=("default", "shadowkv"))
+    assert {s["mode"] for s in runs["shadowkv"]["stats"][-1]["finished"].values()} == {"dense"}
+    hits = {method: run["prefix_cache"]["hits"] for method, run in runs.items()}
+    # Each turn adopts its prompt and its answer up to vLLM's last full block: whole blocks for
+    # the default backend, whole pages within them for shadowkv (less than a page short).
+    per_page = page_layout("shadowkv", default_settings("shadowkv"), 4096).exact_per_page
+    assert hits[None] > 2 * 160 and hits["shadowkv"] > hits[None] - 2 * per_page, hits

@@ -121,6 +121,25 @@ def test_a_recomputed_compressed_request_prefills_its_last_prompt_page_again(spe
     assert kv.get_computed_blocks(short)[1] == step
 
 
+def test_an_exact_request_shares_its_generated_tokens_as_vllm_does(spec):
+    """A short request's pages hold its whole sequence in place: the next turn of a chat (its
+    prompt, its answer, a new question) adopts the answer's pages too, as vLLM's blocks are."""
+    kv, per_page = manager(spec), spec.layout.exact_per_page
+    first = request("first", list(range(1, 100)))
+    assert not spec.layout.is_sparse(first.num_prompt_tokens)
+    schedule(kv, first)
+    for token in range(500, 500 + 3 * BLOCK):  # decode steps: each token's K/V written once
+        first.num_computed_tokens = first.num_tokens
+        first.append_output_token_ids(token)
+        assert kv.allocate_slots(first, 1) is not None
+    first.num_computed_tokens = first.num_tokens
+    kv.free(first)
+    turn = request("turn", list(first.all_token_ids) + [7, 8, 9])
+    hit = kv.get_computed_blocks(turn)[1]
+    assert hit == first.num_tokens // BLOCK * BLOCK // per_page * per_page
+    assert hit > first.num_prompt_tokens
+
+
 def stored_chain(events) -> list:
     """The block hashes a router learns from ``BlockStored`` events, checked to chain."""
     chain = []

@@ -11,8 +11,8 @@ only when its rows fit in the host store and fewer than ``max_staging_requests``
 being staged. A request that does not fit waits; the scheduler never admits work that then
 runs out of memory.
 
-Prefix caching shares exact pages that hold prompt tokens only: a short prompt's pages and a
-compressed prompt's staging. A later request with the same prefix adopts them and prefills the
+Prefix caching shares exact pages: a short request's (prompt and generated tokens, as vLLM
+shares its blocks) and a compressed prompt's staging. A later request with the same prefix adopts them and prefills the
 rest; a compressed one then compresses its whole prompt from them as if it had prefilled it.
 The method's region and the generated tokens are per request and never shared. An exact page
 holds ``exact_per_page`` tokens, not vLLM's ``block_size``, so pages are hashed by a key of
@@ -213,11 +213,15 @@ class CompressedKVManager(FullAttentionManager):
 
     def cache_blocks(self, request, num_tokens, retention_interval=None, *,
                      replay_boundaries=()) -> None:
-        """Hash the request's pages that hold prompt tokens only, as they are scheduled (vLLM's
-        rule: a request hitting them in the same step reads them after this step's writes)."""
+        """Hash the request's exact pages as they are scheduled (vLLM's rule: a request hitting
+        them in the same step reads them after this step's writes): an exact request's whole
+        sequence, as vLLM caches it (the next turn of a chat adopts the answer too), a
+        compressed request's prompt only (its generated tokens sit after its region)."""
         req_id, per_page = request.request_id, self.layout.exact_per_page
         blocks, done = self.req_to_blocks[req_id], self.num_cached_block.get(req_id, 0)
-        full = min(num_tokens, request.num_prompt_tokens) // per_page
+        if self.layout.is_sparse(request.num_prompt_tokens):
+            num_tokens = min(num_tokens, request.num_prompt_tokens)
+        full = num_tokens // per_page
         for page in range(done, full):
             key = page_hash(request.block_hashes, page, per_page, self.block_size)
             if key is None:
