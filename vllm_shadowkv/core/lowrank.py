@@ -1,5 +1,8 @@
 """Rank-r factorisation of pre-RoPE keys: A [tokens, r] shared by the KV heads, B [h_kv, r, d]."""
 
+from contextlib import contextmanager
+from functools import cache
+
 import torch
 
 ORTHONORMAL_TOL = 1e-3  # fp32 eigenvectors further from orthonormal: computed in float64
@@ -21,17 +24,21 @@ def factorize_keys(keys_pre: torch.Tensor, rank: int) -> tuple[torch.Tensor, tor
     seen to return NaN eigenvectors or fail to converge on such matrices inside the engine; then,
     or if the top-r vectors are not orthonormal, it runs again in float64.
 
-    The GEMMs stay in fp32 even where the CPU's bf16 GEMMs are faster (3.4x at 16K x 1024 on
-    AMX): torch's CPU bf16 GEMM rounds its product to bf16, and a Gram summed from such products
+    On a CPU with bf16 dot products (AVX512-BF16, AMX) the two GEMMs multiply bf16-rounded
+    inputs and sum in fp32 (oneDNN's bf16 mode for fp32 matrices): 1.6x faster at 16K x 1024 on
+    AVX512-BF16, and the rounding is the cache's own (the keys are 16-bit there). torch's plain
+    bf16 GEMM is not used: it rounds its product to bf16, and a Gram summed from such products
     (in fp32, over blocks of 1,024 tokens) moved the basis enough that the demo's constructed
     model lost three of its four needle values (benchmarks/RESULTS.md).
     """
     num_tokens, num_heads, head_dim = keys_pre.shape
     flat = keys_pre.reshape(num_tokens, num_heads * head_dim).float()
     r = min(rank, num_heads * head_dim)
-    gram = flat.T @ flat
+    with _fp32_products_as_bf16(flat.device):
+        gram = flat.T @ flat
     psi = _top_eigenvectors(gram, r)  # [h_kv*d, r], largest first
-    a = flat @ psi
+    with _fp32_products_as_bf16(flat.device):
+        a = flat @ psi
     b = psi.T.reshape(r, num_heads, head_dim).transpose(0, 1).contiguous()
     return a, b
 
@@ -47,3 +54,22 @@ def _top_eigenvectors(gram: torch.Tensor, r: int) -> torch.Tensor:
     except torch.linalg.LinAlgError:  # did not converge
         pass
     return torch.linalg.eigh(gram.double()).eigenvectors[:, -r:].flip(-1).float()
+
+
+@cache
+def _cpu_has_bf16_dot_products() -> bool:
+    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+
+
+@contextmanager
+def _fp32_products_as_bf16(device: torch.device):
+    """fp32 matrix products as bf16 products with fp32 sums, here only (the setting is global)."""
+    if device.type != "cpu" or not _cpu_has_bf16_dot_products():
+        yield
+        return
+    settings = torch.backends.mkldnn.matmul
+    before, settings.fp32_precision = settings.fp32_precision, "bf16"
+    try:
+        yield
+    finally:
+        settings.fp32_precision = before
