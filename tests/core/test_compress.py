@@ -38,6 +38,22 @@ def test_rank_r_is_the_svd_optimum():
     torch.testing.assert_close(basis @ basis.T, torch.eye(10), atol=1e-5, rtol=0)
 
 
+def test_factorisation_at_engine_sizes_is_the_svd_optimum():
+    """Shapes where torch's CPU GEMM is oneDNN's, which multiplies fp32 matrices in its bf16
+    mode on CPUs with bf16 dot products (lowrank._fp32_products_as_bf16): still the optimum, and
+    torch's global setting is left as it was."""
+    torch.manual_seed(0)
+    keys = torch.randn(4096, 4, 64) @ torch.diag(torch.linspace(3, 0.1, 64))
+    flat = keys.reshape(4096, -1).double()
+    s = torch.linalg.svdvals(flat)
+    before = torch.backends.mkldnn.matmul.fp32_precision
+    for rank in (40, 256):
+        err = (rebuild_pre_rope(*factorize_keys(keys, rank)).reshape(4096, -1).double()
+               - flat).norm()
+        assert err <= s[rank:].pow(2).sum().sqrt() * (1 + 1e-6) + 1e-5 * flat.norm()
+    assert torch.backends.mkldnn.matmul.fp32_precision == before
+
+
 @pytest.mark.parametrize("failure", ["nan", "not_orthonormal", "no_convergence"])
 def test_eigh_falls_back_to_float64_when_fp32_fails(monkeypatch, failure):
     """fp32 eigh (MKL) has returned NaN eigenvectors and failed to converge on low-rank Grams:

@@ -11,10 +11,11 @@ only when its rows fit in the host store and fewer than ``max_staging_requests``
 being staged. A request that does not fit waits; the scheduler never admits work that then
 runs out of memory.
 
-Prefix caching shares exact pages: a short request's (prompt and generated tokens, as vLLM
-shares its blocks) and a compressed prompt's staging. A later request with the same prefix adopts them and prefills the
-rest; a compressed one then compresses its whole prompt from them as if it had prefilled it.
-The method's region and the generated tokens are per request and never shared. An exact page
+Prefix caching shares exact pages: a short request's (its prompt and generated tokens, as
+vLLM shares its blocks) and a compressed prompt's staging. A later request with the same prefix
+adopts them and prefills the rest; a compressed one then compresses its whole prompt from them
+as if it had prefilled it. The method's region and a compressed request's generated tokens are
+per request and never shared. An exact page
 holds ``exact_per_page`` tokens, not vLLM's ``block_size``, so pages are hashed by a key of
 their own (``page_hash``) in vLLM's block pool, which keeps evicting them as it does blocks.
 KV-cache events speak of vLLM's blocks, as a KV-aware router hashes a prompt: a block is stored
