@@ -70,8 +70,8 @@ def _log_tail(log_path: Path) -> str:
     return Path(log_path).read_text()[-5000:]
 
 
-def post_json(url: str, body: dict, timeout: float = 300) -> dict:
+def post_json(url: str, body: dict, timeout: float = 300, headers: dict | None = None) -> dict:
     request = urllib.request.Request(url, json.dumps(body).encode(),
-                                     {"Content-Type": "application/json"})
+                                     {"Content-Type": "application/json", **(headers or {})})
     with urllib.request.urlopen(request, timeout=timeout) as response:
         return json.loads(response.read())

@@ -1,8 +1,10 @@
 """Data parallelism: ``--data-parallel-size 2`` runs two engines, each with its own pool, host
-store and stats; the server's /metrics adds the engines up (tensor-parallel ranks of one engine
-share its requests and count them once, engines do not)."""
+store, stats and prefix cache; the server's /metrics adds the engines up (tensor-parallel ranks
+of one engine share its requests and count them once, engines do not)."""
 
 import json
+import re
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -42,6 +44,19 @@ def test_two_engines_serve_sparse_requests_and_metrics_add_them_up(tiny_model, t
 
         finished = wait_for(base, tiny_model, all_finished, timeout=30)
         snaps = [json.loads(p.read_text()) for p in stats_dir.glob("worker-*.json")]
+
+        # A prefix-aware router sends a document's follow-up to the engine that holds it
+        # (vLLM's X-data-parallel-rank header): that engine's prefix cache serves it.
+        document = "A shared document. " + "The quick brown fox jumps over the lazy dog. " * 40
+        for question in ("First question?", "Second question?"):
+            reply = post_json(base + "/v1/completions", {
+                "model": tiny_model, "prompt": document + question, "max_tokens": 8,
+                "temperature": 0, "ignore_eos": True}, headers={"X-data-parallel-rank": "1"})
+            assert reply["usage"]["completion_tokens"] == 8
+        hits = r'^vllm:prefix_cache_hits_total\{engine="(\d)".*\} (\S+)'
+        text = urllib.request.urlopen(base + "/metrics", timeout=10).read().decode()
+        by_engine = {int(e): float(v) for e, v in re.findall(hits, text, re.M)}
     assert sorted(s["data_parallel_rank"] for s in snaps) == [0, 1]
     assert sum(s["finished_sparse"] for s in snaps) == REQUESTS
     assert finished == REQUESTS
+    assert by_engine[1] >= 1024 and by_engine.get(0, 0) == 0, by_engine
