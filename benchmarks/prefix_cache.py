@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 from engine_cores import engine_cores_env, engine_env, machine  # benchmarks/engine_cores.py
+from plots import pyplot  # benchmarks/plots.py
 from throughput import shadowkv_settings  # the paper's ratio, as throughput.py runs it
 
 MiB = 1 << 20
@@ -78,11 +79,9 @@ def summary(run: dict) -> dict:
 
 
 def plot(rows: dict, meta: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
+    if plt is None:
+        return
     names = list(rows)
     fig, ax = plt.subplots(figsize=(7, 3.6))
     xs = range(len(names))

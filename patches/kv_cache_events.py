@@ -21,6 +21,8 @@ _CACHED = ["self", "request", "computed_blocks"]
 def apply() -> None:
     from vllm.v1.core.block_pool import BlockPool
     from vllm.v1.core.kv_cache_coordinator import KVCacheCoordinator
+    from vllm.v1.core.kv_cache_utils import (get_block_hash, get_group_id,
+                                             make_block_hash_with_group_id)
 
     from vllm_shadowkv.patches import check_signature
 
@@ -31,10 +33,7 @@ def apply() -> None:
     cached = KVCacheCoordinator.emit_cached_block_events
     check_signature(cached, _CACHED, "KVCacheCoordinator.emit_cached_block_events")
 
-    def _emit_block_removed_events(self, block_hashes):
-        from vllm.v1.core.kv_cache_utils import (get_block_hash, get_group_id,
-                                                 make_block_hash_with_group_id)
-
+    def _emit_block_removed_events(self, block_hashes):  # every eviction: imports hoisted
         from vllm_shadowkv.backend.kv_spec import page_block
 
         named = []
