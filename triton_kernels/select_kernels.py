@@ -120,10 +120,10 @@ def landmark_scores(q, landmarks, lm_rows, lm_start, lm_count, max_count, scale)
 
 @triton.jit
 def _select_chunks_kernel(
-    scores_ptr, chunks_ptr, lm_start_ptr, lm_count_ptr, out_ptr,
+    scores_ptr, chunks_ptr, lm_start_ptr, lm_count_ptr, slot_count_ptr, out_ptr,
     stride_sb, stride_sh, stride_sn, stride_cn, stride_ch, stride_ob, stride_oh, stride_ok,
     k,
-    H_KV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    H_KV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, OWN: tl.constexpr,
 ):
     # Scores are >= 0, so their float bits order like ints: binary-search the bits of the
     # take-th largest score (t), then write every score > t and the first ties == t.
@@ -133,6 +133,8 @@ def _select_chunks_kernel(
     start = tl.load(lm_start_ptr + b).to(tl.int64)
     count = tl.load(lm_count_ptr + b)
     take = tl.minimum(count, k)
+    if OWN:  # the request's own slots (its budget); the rest of its row is padding
+        take = tl.minimum(take, tl.load(slot_count_ptr + b))
     row_ptr = scores_ptr + b * stride_sb + h * stride_sh
     out_row = out_ptr + b * stride_ob + h * stride_oh
     lo = tl.zeros((), dtype=tl.int32)
@@ -169,15 +171,18 @@ def _select_chunks_kernel(
                  mask=(offs_k >= take) & (offs_k < k))
 
 
-def select_chunks(scores, landmark_chunks, lm_start, lm_count, k):
+def select_chunks(scores, landmark_chunks, lm_start, lm_count, k, slot_count=None):
     batch, h_kv, max_count = scores.shape
     assert scores.dtype == torch.float32
     assert landmark_chunks.dim() == 2 and landmark_chunks.shape[1] == h_kv
     assert landmark_chunks.dtype == lm_start.dtype == lm_count.dtype == torch.int32
     assert lm_start.shape == lm_count.shape == (batch,)
+    assert slot_count is None or (slot_count.dtype == torch.int32 and slot_count.shape == (batch,))
     out = torch.empty(batch, h_kv, k, dtype=torch.int32, device=scores.device)
     _select_chunks_kernel[(batch * h_kv,)](
-        scores, landmark_chunks, lm_start, lm_count, out,
+        scores, landmark_chunks, lm_start, lm_count,
+        lm_count if slot_count is None else slot_count, out,
         *scores.stride(), *landmark_chunks.stride(), *out.stride(), k,
-        H_KV=h_kv, BLOCK_N=1024, BLOCK_K=min(1024, triton.next_power_of_2(k)))
+        H_KV=h_kv, BLOCK_N=1024, BLOCK_K=min(1024, triton.next_power_of_2(k)),
+        OWN=slot_count is not None)
     return out

@@ -147,9 +147,9 @@ def test_native_library_is_built_once_per_cache(tmp_path):
     assert list((tmp_path / "native").glob("*.so"))
 
 
-def _check_selection(got, scores, counts, k):
+def _check_selection(got, scores, counts, k, owned=None):
     for b, n in enumerate(counts.tolist()):
-        take = min(k, n)
+        take = min(k, n, k if owned is None else int(owned[b]))
         assert (got[b, :, take:] == -1).all()
         for h in range(got.shape[1]):
             ids = got[b, h, :take].long()
@@ -158,10 +158,17 @@ def _check_selection(got, scores, counts, k):
             torch.testing.assert_close(scores[b, h, ids].sort().values, best.sort().values)
 
 
+def _owned_slots(k: int, device) -> torch.Tensor:
+    """Each request's own slots of k (its budget, as with ``sparse_budget_ratio``): 1 to k."""
+    return torch.randint(1, k + 1, (len(COUNTS),), dtype=torch.int32, device=device)
+
+
 @pytest.mark.parametrize("k", [1, 16, 64])
 @pytest.mark.parametrize("ties", [False, True])
-def test_select_chunks(k, ties, kernel_device):
+@pytest.mark.parametrize("owned", [False, True])
+def test_select_chunks(k, ties, owned, kernel_device):
     h_kv, max_n = 3, max(COUNTS)
+    own = _owned_slots(k, kernel_device) if owned else None
     counts = torch.tensor(COUNTS, dtype=torch.int32, device=kernel_device)
     starts = torch.arange(len(COUNTS), dtype=torch.int32, device=kernel_device) * max_n
     if ties:  # many equal scores (softmax underflow gives exact zeros in long contexts)
@@ -174,21 +181,26 @@ def test_select_chunks(k, ties, kernel_device):
     # Chunk id = landmark index within its request, so ids index `scores` directly.
     chunks = (torch.arange(max_n, device=kernel_device).repeat(len(COUNTS)).view(-1, 1)
               .expand(-1, h_kv).to(torch.int32))
-    got = select_kernels.select_chunks(scores, chunks, starts, counts, k)
-    want = select.select_chunks(scores, chunks, starts, counts, k)
-    _check_selection(got, scores, counts, k)
-    _check_selection(want, scores, counts, k)
+    got = select_kernels.select_chunks(scores, chunks, starts, counts, k, own)
+    want = select.select_chunks(scores, chunks, starts, counts, k, own)
+    _check_selection(got, scores, counts, k, own)
+    _check_selection(want, scores, counts, k, own)
 
 
 @needs_native
 @pytest.mark.parametrize("k", [1, 16, 64, 300])
-def test_select_slots(k):
+@pytest.mark.parametrize("owned", [False, True])
+def test_select_slots(k, owned):
     """The C selection and slot assignment against select_chunks + assign_slots, and the C
     listing of the misses against list_misses, over a few steps of drifting scores (hits kept
     in place, misses in order of score into the freed slots, evicted slots emptied): ragged
     landmark counts, one request with none, chunk ids that are not the landmark indices;
-    distinct scores, so the top-k is one set."""
+    distinct scores, so the top-k is one set. With ``owned``, each request owns its first
+    1..k slots (a budget per request) and its padding slots after them stay empty."""
     h_kv, max_n = 3, max(COUNTS)
+    own = _owned_slots(k, "cpu") if owned else None
+    owned_k = torch.full((len(COUNTS),), k) if own is None else own
+    padding = (torch.arange(k) >= owned_k.view(-1, 1, 1)).expand(-1, h_kv, k)
     counts = torch.tensor(COUNTS, dtype=torch.int32)
     starts = torch.tensor([0] + COUNTS[:-1], dtype=torch.int32).cumsum(0, dtype=torch.int32)
     chunks = torch.stack([torch.randperm(3 * sum(COUNTS))[:sum(COUNTS)] for _ in range(h_kv)],
@@ -199,10 +211,13 @@ def test_select_slots(k):
     for _ in range(4):
         scores = torch.where(valid, scores, -1.0)
         assert native.supports_select(scores)
-        got = native.select_slots(scores, chunks, starts, counts, k, slots)
-        want = select.select_slots(scores, chunks, starts, counts, k, slots)
+        got = native.select_slots(scores, chunks, starts, counts, k, slots, own)
+        want = select.select_slots(scores, chunks, starts, counts, k, slots, own)
         for g, w in zip(got, want):
             assert torch.equal(g, w)
+        assert (want[0][padding] == -1).all()
+        if own is not None:
+            assert torch.equal(want[2], torch.minimum(want[2], own.view(-1, 1)))
         misses = native.list_misses(*want)  # the refill plan listed, as the value fetch reads it
         for g, w in zip(misses, select.list_misses(*want)):
             assert g == w if isinstance(w, list) else torch.equal(g, w)

@@ -62,6 +62,33 @@ def test_covering_settings_equal_default_and_run_sparse(method, block_size, tiny
     assert store["used_bytes"] == 0 and store["num_keys"] == 0  # finished requests gave it back
 
 
+def test_budget_per_prompt_sizes_each_requests_slots(tiny_model, covering_reference, tmp_path):
+    """``sparse_budget_ratio`` (the paper's budget, a share of each prompt): at 1.0 every prompt
+    is covered and the tokens are the default backend's; at 5 % the two long prompts (about
+    3.1K and 4.4K tokens) each select their own share of chunks per KV head at every step,
+    decoding in one batch whose smaller budget is padded."""
+    from vllm_shadowkv.core.params import ShadowKVParams
+
+    ref, common = covering_reference, {**COVERING, "model": tiny_model}
+    covering = METHODS["shadowkv"].covering_settings(256, 6144) | {"min_sparse_len": 2048}
+    runs = {}
+    for ratio in (1.0, 0.05):
+        settings = covering | {"sparse_budget_ratio": ratio}
+        runs[ratio] = generate_in_fresh_process(
+            {**common, "attention_backend": "shadowkv",
+             "engine_kwargs": {**common["engine_kwargs"],
+                               "additional_config": {"shadowkv": settings}}},
+            _dir(tmp_path, str(ratio)))
+    assert_greedy_close(ref["batches"][0], runs[1.0]["batches"][0], names=("default", "ratio 1"))
+    params = ShadowKVParams(chunk_size=8, sparse_budget=covering["sparse_budget"],
+                            sparse_budget_ratio=0.05)
+    sparse = [s for s in runs[0.05]["stats"][0]["finished"].values() if s["mode"] == "sparse"]
+    per_step = {s["prompt_len"]: s["selected"] / s["decode_steps"] for s in sparse}
+    assert len(per_step) == 2 and all(s["decode_steps"] > 0 for s in sparse)
+    assert per_step == {n: 4 * params.select_chunks_for(n) for n in per_step}  # 4 KV heads
+    assert len(set(per_step.values())) == 2
+
+
 # MiniKV's covering settings are 16-bit (no kernel to run): its quantized pages go through the
 # Triton kernel in test_minikv.py. TailorKV's covering settings are all S-layers: the channel
 # scores read the host store's pages in place.

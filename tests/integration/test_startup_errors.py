@@ -153,6 +153,9 @@ def test_a_kv_connector_beside_the_host_store_is_refused(tiny_model):
         ({"local_window": True}, "shadowkv.local_window must be an integer, got True"),
         ({"sparse_budget": -8}, "shadowkv.sparse_budget must be >= 8, got -8"),
         ({"sparse_budget": 100}, "sparse_budget (100) must be a multiple of chunk_size (8)"),
+        ({"sparse_budget_ratio": 1.5}, "shadowkv.sparse_budget_ratio must be in (0, 1] (a share "
+                                       "of each prompt, the paper's 1.56 % is 0.0156) or unset, "
+                                       "got 1.5"),
         ({"chunk_size": 24, "sparse_budget": 240}, "chunk_size (24) must divide the KV block size (128)"),
         ({"rank": 512}, "rank (512) exceeds the key width of this model: num_kv_heads (4) x "
                         "head_dim (64) = 256; allowed: 1..256"),

@@ -78,17 +78,18 @@ def _run(dtype, layout, prompts, steps):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("block_size", [32, 40])
-def test_one_call_step_equals_the_composed_step(dtype, block_size, monkeypatch):
+@pytest.mark.parametrize("ratio", [None, 0.05])
+def test_one_call_step_equals_the_composed_step(dtype, block_size, ratio, monkeypatch):
     """Same outputs, same pages (slots, ids), same hit counts, bit for bit: the same kernels in
-    the same order."""
+    the same order; also with a budget per prompt (``sparse_budget_ratio``: 3, 6 and 4 slots,
+    the batch's smaller ones padded)."""
     prompts = {"a": 600, "b": 1000, "c": 777}
-    layout = make_layout(block_size=block_size, dtype=dtype,
-                         settings=dataclasses.replace(SETTINGS, rank=64))
+    settings = dataclasses.replace(SETTINGS, rank=64, sparse_budget_ratio=ratio)
+    layout = make_layout(block_size=block_size, dtype=dtype, settings=settings)
     assert layout.method.pages.slots_in_place
     one = _run(dtype, layout, prompts, steps=4)
     monkeypatch.setattr(ShadowKVMethod, "_cpu_step", lambda *args: None)
-    layout = make_layout(block_size=block_size, dtype=dtype,
-                         settings=dataclasses.replace(SETTINGS, rank=64))
+    layout = make_layout(block_size=block_size, dtype=dtype, settings=settings)
     composed = _run(dtype, layout, prompts, steps=4)
     assert one[3] and not composed[3]
     for r in prompts:

@@ -78,7 +78,8 @@ def _layout_case(block_size, rank, settings):
 
 @pytest.mark.parametrize("block_size, rank", LAYOUTS)
 @pytest.mark.parametrize("full", [True, False])
-def test_compress_then_sparse_decode_from_pages(full, block_size, rank):
+@pytest.mark.parametrize("ratio", [None, 0.1])
+def test_compress_then_sparse_decode_from_pages(full, block_size, rank, ratio):
     """The paged path is the core's decode: with state kept in pages between steps it matches
     ``DecodeBatch``/``decode_step`` step by step, with the slots refilled in place or copied;
     with full rank and a budget covering the context both are dense attention."""
@@ -86,6 +87,8 @@ def test_compress_then_sparse_decode_from_pages(full, block_size, rank):
     h, hq, d, p, gen = 2, 8, 32, 600, 3
     settings = SETTINGS if not full else ShadowKVSettings(
         rank=h * d, sparse_budget=1024, outlier_chunks=4, local_window=16, min_sparse_len=256)
+    if ratio is not None:  # a share of the prompt, or all of it (covering)
+        settings = dataclasses.replace(settings, sparse_budget_ratio=1.0 if full else ratio)
     layout = _layout_case(block_size, rank, settings)
     assert layout.method.pages.slots_in_place == LAYOUTS[block_size, rank]
     method = layout.method
@@ -120,16 +123,25 @@ def test_compress_then_sparse_decode_from_pages(full, block_size, rank):
     assert stats.decode_steps == gen and stats.hits > 0  # the slots persisted between steps
 
 
+# Budgets of 5 % of each prompt: 3, 6 and 4 chunks for the prompts of 600, 1000 and 777 tokens
+# below, so a batch of them pads the smaller budgets' slots.
+RATIO = dataclasses.replace(SETTINGS, sparse_budget_ratio=0.05)
+
+
 @pytest.mark.parametrize("block_size, rank", LAYOUTS)
-def test_batched_decode_equals_each_request_alone(block_size, rank):
+@pytest.mark.parametrize("settings", [SETTINGS, RATIO], ids=["budget", "ratio"])
+def test_batched_decode_equals_each_request_alone(block_size, rank, settings):
     """One ``decode`` call for a ragged batch (different prompt lengths and generated counts,
     one request with two query rows, one finishing mid-way) gives every request exactly what
     it gets decoded alone in its own pages, and leaves the same page contents behind; the
-    same with the slots refilled in place and copied out and back."""
+    same with the slots refilled in place and copied out and back, and with a budget per
+    prompt (``sparse_budget_ratio``: each request owns its own number of slots)."""
     g = torch.Generator().manual_seed(4)
     h, hq, d, steps = 2, 8, 32, 4
     prompts = {"a": 600, "b": 1000, "c": 777}
-    layout = _layout_case(block_size, rank, SETTINGS)
+    layout = _layout_case(block_size, rank, settings)
+    owned = {r: layout.method.pages.state(p).num_slots for r, p in prompts.items()}
+    assert owned == ({"a": 3, "b": 6, "c": 4} if settings is RATIO else dict.fromkeys(prompts, 8))
     assert layout.method.pages.slots_in_place == LAYOUTS[block_size, rank]
     method, rope = layout.method, rope_for()
     lengths = {r: p + 2 * steps for r, p in prompts.items()}
@@ -176,7 +188,7 @@ def test_batched_decode_equals_each_request_alone(block_size, rank):
         for got, want in zip(outs_a[r], outs_b[r]):
             torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     assert len(outs_a["b"]) == 2 and len(outs_a["c"]) == steps
-    torch.testing.assert_close(pages_a, pages_b, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(pages_a, pages_b, atol=1e-5, rtol=1e-5, equal_nan=True)  # ids -1
 
 
 @pytest.mark.parametrize("q_len, s_len", [(1, 7), (5, 5), (3, 9), (64, 64), (17, 100)])

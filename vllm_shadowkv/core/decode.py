@@ -93,6 +93,9 @@ class DecodeBatch:
     gen_v: torch.Tensor
     gen_len: torch.Tensor  # [B] int64
     gen_width: int = 0  # max of gen_len, kept on the host (reading it back would sync)
+    # [B] int32: the slots each request owns (its budget, ``sparse_budget_ratio``), the rest of
+    # its k padding that stays empty; None: every request owns k.
+    slot_count: torch.Tensor | None = None
     # The last step's refill, on the host: missed chunks per request, and the flat slot ids
     # (over [B, h_kv, k]) they filled, the only slots whose pages need writing.
     step_misses: list[int] = field(default_factory=list)
@@ -113,7 +116,8 @@ class DecodeBatch:
         first = prompts[0]
         device, dtype = first.exact_k.device, first.exact_k.dtype
         batch, (h_kv, _, head_dim) = len(prompts), first.exact_k.shape
-        k, c = params.select_chunks, params.chunk_size
+        owned = [params.select_chunks_for(p.num_tokens) for p in prompts]
+        k, c = max(owned), params.chunk_size
         lm_counts = [p.landmarks.shape[0] for p in prompts]
         a_counts = [p.compressed_tokens for p in prompts]
 
@@ -140,6 +144,8 @@ class DecodeBatch:
             slot_k=slots(k * c), slot_v=slots(k * c),
             gen_k=slots(gen_capacity), gen_v=slots(gen_capacity),
             gen_len=torch.zeros(batch, dtype=torch.int64, device=device),
+            slot_count=(None if min(owned) == k
+                        else torch.tensor(owned, dtype=torch.int32, device=device)),
         )
 
     def _append_generated(self, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
@@ -181,8 +187,8 @@ class DecodeBatch:
                                          self.lm_count, self.max_landmarks,
                                          1.0 / math.sqrt(q.shape[-1]))
         self.slot_chunks, miss_slots, miss_count = ops.select_slots(
-            scores, self.landmark_chunks, self.lm_start, self.lm_count, self.params.select_chunks,
-            self.slot_chunks)
+            scores, self.landmark_chunks, self.lm_start, self.lm_count, self.slot_chunks.shape[-1],
+            self.slot_chunks, self.slot_count)
         # The host needs the missed rows before the rebuild is queued: reading them after would
         # wait for the rebuild. Then, on CUDA, the rebuild runs while the host gathers the
         # values and the copy stream moves them.

@@ -125,7 +125,8 @@ def library() -> ctypes.CDLL | None:
                                      _i32, _i32, _i32, _i32, _ptr, _ptr, _i32, _i32, _ptr,
                                      ctypes.c_float, _ptr, _i32, _ptr]
     lib.select_slots.restype = ctypes.c_int
-    lib.select_slots.argtypes = [_ptr, _i32, _ptr, _ptr, _ptr, _i32, _i32, _i32, _ptr, _ptr, _ptr]
+    lib.select_slots.argtypes = [_ptr, _i32, _ptr, _ptr, _ptr, _ptr, _i32, _i32, _i32, _ptr, _ptr,
+                                 _ptr]
     lib.gather_store_rows.restype = ctypes.c_int64
     lib.gather_store_rows.argtypes = [_ptr, _i32, _i64, _i64, _ptr, _i32, _ptr, _i32, _ptr,
                                       _ptr, _ptr, _ptr, _ptr, _i32, _i64, _i64, _ptr, _ptr, _i64]
@@ -173,7 +174,7 @@ class SparseStep(ctypes.Structure):
         ("dtype num_rows batch s_q h_q h_kv d rank k chunk", _i64),
         ("scale landmark_scale", ctypes.c_double),
         ("q", _ptr), ("q_dtype", _i64), ("out lse k_rows v_rows", _ptr), ("width", _i64),
-        ("gen_before landmark_rows lm_start lm_count landmark_chunks", _ptr),
+        ("gen_before landmark_rows lm_start lm_count landmark_chunks slot_count", _ptr),
         ("max_landmarks logits_ld", _i64),
         ("scores a_rows a_positions a_start b_offsets b cos_sin", _ptr),
         ("cos_sin_dtype rotary_dim neox", _i64),
@@ -291,18 +292,20 @@ def supports_rebuild(a: torch.Tensor, b: torch.Tensor, rope, slot_k: torch.Tenso
             and rope.rotary_dim <= MAX_HEAD_DIM and library() is not None)
 
 
-def select_slots(scores, landmark_chunks, lm_start, lm_count, k, slot_chunks):
+def select_slots(scores, landmark_chunks, lm_start, lm_count, k, slot_chunks, slot_count=None):
     """select.select_slots in one C call for the whole batch (``csrc/select_slots.c``), for
     what ``supports_select`` accepts. Among equal scores the lower landmark wins."""
     batch, h_kv, max_count = scores.shape
     scores, chunks = _as(scores, torch.float32), _int32(landmark_chunks)
     starts, counts = _int32(lm_start), _int32(lm_count)
+    owned = None if slot_count is None else _int32(slot_count)
     slots = slot_chunks.to(torch.int32, copy=True).contiguous()
     miss_slots = torch.empty(batch, h_kv, k, dtype=torch.int32)
     miss_count = torch.empty(batch, h_kv, dtype=torch.int32)
     failed = library().select_slots(
         scores.data_ptr(), max_count, chunks.data_ptr(), starts.data_ptr(), counts.data_ptr(),
-        batch, h_kv, k, slots.data_ptr(), miss_slots.data_ptr(), miss_count.data_ptr())
+        None if owned is None else owned.data_ptr(), batch, h_kv, k, slots.data_ptr(),
+        miss_slots.data_ptr(), miss_count.data_ptr())
     if failed:
         raise MemoryError("select_slots: scratch allocation failed")
     return slots, miss_slots, miss_count

@@ -84,17 +84,18 @@ def landmark_scores(q, landmarks, lm_rows, lm_start, lm_count, max_count, scale)
     return impl.landmark_scores(q, landmarks, lm_rows, lm_start, lm_count, max_count, scale)
 
 
-def select_chunks(scores, landmark_chunks, lm_start, lm_count, k):
+def select_chunks(scores, landmark_chunks, lm_start, lm_count, k, slot_count=None):
     impl = _kernels("select_kernels") if _use_triton(scores) else select
-    return impl.select_chunks(scores, landmark_chunks, lm_start, lm_count, k)
+    return impl.select_chunks(scores, landmark_chunks, lm_start, lm_count, k, slot_count)
 
 
-def select_slots(scores, landmark_chunks, lm_start, lm_count, k, slot_chunks):
+def select_slots(scores, landmark_chunks, lm_start, lm_count, k, slot_chunks, slot_count=None):
     """The step's selection and slot assignment: one C call on the CPU, the top-k kernel and
     ``assign_slots`` elsewhere."""
     if compiled_cpu(scores) and native.supports_select(scores):
-        return native.select_slots(scores, landmark_chunks, lm_start, lm_count, k, slot_chunks)
-    selected = select_chunks(scores, landmark_chunks, lm_start, lm_count, k)
+        return native.select_slots(scores, landmark_chunks, lm_start, lm_count, k, slot_chunks,
+                                   slot_count)
+    selected = select_chunks(scores, landmark_chunks, lm_start, lm_count, k, slot_count)
     return select.assign_slots(slot_chunks, selected)
 
 

@@ -13,7 +13,8 @@ class ShadowKVParams:
 
     `sparse_budget` counts only the dynamically selected tokens (k = sparse_budget // chunk_size
     chunks per KV head); outliers, the local window and generated tokens come on top, as in the
-    paper and the authors' accuracy path.
+    paper and the authors' accuracy path. With `sparse_budget_ratio` each prompt's budget is that
+    share of its tokens (the paper's 1.56 %), at most `sparse_budget`.
     """
 
     rank: int = 160
@@ -24,10 +25,20 @@ class ShadowKVParams:
     # Prompts shorter than this stay exact (the authors' code: dense up to 4096 tokens).
     min_compress_tokens: int = 4096
     selection: str = "landmarks"
+    sparse_budget_ratio: float | None = None
 
     @property
     def select_chunks(self) -> int:
+        """Chunks selected per KV head: every prompt's, or the most any prompt's (a ratio)."""
         return self.sparse_budget // self.chunk_size
+
+    def select_chunks_for(self, num_tokens: int) -> int:
+        """Chunks a prompt of ``num_tokens`` selects per KV head: its share of whole chunks
+        (at least one) where a ratio is set, at most ``select_chunks``."""
+        if self.sparse_budget_ratio is None:
+            return self.select_chunks
+        share = int(self.sparse_budget_ratio * num_tokens) // self.chunk_size
+        return min(max(share, 1), self.select_chunks)
 
     def compressed_chunks(self, num_tokens: int) -> int:
         """Chunks of a prompt that go into the low-rank pool; 0 means the prompt stays exact.

@@ -61,11 +61,13 @@ def select_chunks(
     lm_start: torch.Tensor,
     lm_count: torch.Tensor,
     k: int,
+    slot_count: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Top-k landmarks per (request, KV head) -> their chunk ids [B, h_kv, k] int32.
 
-    Request b selects min(k, lm_count[b]) chunks; the rest of its row is -1. The order of the
-    selected ids within a row is unspecified (it is a set).
+    Request b selects min(k, lm_count[b], slot_count[b]) chunks (``slot_count`` [B]: the slots
+    request b owns, its budget; None: k); the rest of its row is -1. The order of the selected
+    ids within a row is unspecified (it is a set).
     """
     batch, h_kv, max_count = scores.shape
     out = torch.full((batch, h_kv, k), -1, dtype=torch.int32, device=scores.device)
@@ -74,6 +76,8 @@ def select_chunks(
         return out
     idx = torch.topk(scores, take, dim=-1).indices  # [B, h, take]
     valid = idx < lm_count.view(-1, 1, 1)
+    if slot_count is not None:  # topk's order is by score: the first slot_count[b] win
+        valid &= torch.arange(take, device=scores.device) < slot_count.view(-1, 1, 1)
     rows = (lm_start.view(-1, 1, 1) + idx).clamp(max=landmark_chunks.shape[0] - 1)
     heads = torch.arange(h_kv, device=scores.device).view(1, -1, 1)
     chunks = landmark_chunks[rows.long(), heads]
@@ -120,11 +124,14 @@ def select_slots(
     lm_count: torch.Tensor,
     k: int,
     slot_chunks: torch.Tensor,
+    slot_count: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`select_chunks` then `assign_slots`: a step's selection and refill plan, with the
     selected chunks taking the free slots in order of score (reference of
-    native.select_slots)."""
-    return assign_slots(slot_chunks, select_chunks(scores, landmark_chunks, lm_start, lm_count, k))
+    native.select_slots). The misses take the lowest free slots, so a request's padding slots
+    (from ``slot_count[b]`` on, empty) stay empty."""
+    return assign_slots(slot_chunks, select_chunks(scores, landmark_chunks, lm_start, lm_count, k,
+                                                   slot_count))
 
 
 def list_misses(

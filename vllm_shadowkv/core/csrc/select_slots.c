@@ -1,7 +1,9 @@
 /* ShadowKV's chunk selection and slot assignment for a ragged batch, one call per layer and step
  * (native.py; the torch reference is select.select_chunks followed by select.assign_slots).
  *
- * For request b and KV head h: the top min(k, lm_count[b]) landmarks by score (a min-heap of
+ * For request b and KV head h: the top min(k, lm_count[b], slot_count[b]) landmarks by score
+ * (slot_count: the slots request b owns, the rest of its row of k being padding; NULL: k; a
+ * min-heap of
  * the best so far: one comparison for most landmarks), in order of score; a selected chunk
  * already in a slot stays there (found by binary search among the sorted residents), the
  * misses take the freed slots, lowest first, in order of score, and freed slots left over are
@@ -66,13 +68,15 @@ static int assign_row(const int32_t *wanted, int n, int32_t *slots, int32_t *fil
     return misses;
 }
 
-/* scores: fp32 [B, h_kv, max_count]; landmark_chunks: int32 [NL, h_kv]; lm_start, lm_count:
- * int32 [B]. slot_chunks: int32 [B, h_kv, k], updated in place; miss_slots: int32 [B, h_kv, k]
+/* scores: fp32 [B, h_kv, max_count]; landmark_chunks: int32 [NL, h_kv]; lm_start, lm_count,
+ * slot_count (or NULL): int32 [B]. Misses take the lowest free slots, so a request's padding
+ * slots (>= slot_count[b], empty) are never filled. slot_chunks: int32 [B, h_kv, k], updated in place; miss_slots: int32 [B, h_kv, k]
  * (the slots to fill first, -1 after); miss_count: int32 [B, h_kv]. Returns 0; 1 if a scratch
  * allocation failed. */
 int select_slots(const float *scores, int max_count, const int32_t *landmark_chunks,
-                 const int32_t *lm_start, const int32_t *lm_count, int batch, int h_kv, int k,
-                 int32_t *slot_chunks, int32_t *miss_slots, int32_t *miss_count) {
+                 const int32_t *lm_start, const int32_t *lm_count, const int32_t *slot_count,
+                 int batch, int h_kv, int k, int32_t *slot_chunks, int32_t *miss_slots,
+                 int32_t *miss_count) {
     int status = 0;
     /* (request, KV head) rows across the threads, each with its own scratch */
 #pragma omp parallel reduction(| : status) if (batch * h_kv > 1)
@@ -85,7 +89,8 @@ int select_slots(const float *scores, int max_count, const int32_t *landmark_chu
         for (int64_t row = 0; row < (int64_t)batch * h_kv; row++) {
             if (status) continue;
             const int b = (int)(row / h_kv), h = (int)(row % h_kv);
-            const int take = lm_count[b] < k ? lm_count[b] : k;
+            const int own = slot_count && slot_count[b] < k ? slot_count[b] : k;
+            const int take = lm_count[b] < own ? lm_count[b] : own;
             top(scores + row * max_count, lm_count[b], take, best);
             for (int i = 0; i < take; i++)
                 wanted[i] = landmark_chunks[((int64_t)lm_start[b] + best[i].index) * h_kv + h];

@@ -27,6 +27,7 @@ struct sparse_step {
     /* the batch's */
     const int64_t *landmark_rows;  /* [NL] element offsets */
     const int32_t *lm_start, *lm_count, *landmark_chunks;  /* [B], [B], [NL, h_kv] */
+    const int32_t *slot_count;  /* [B]: the slots each request owns of its k (padding after) */
     int64_t max_landmarks, logits_ld;
     float *scores;  /* [B, h_kv, max_landmarks] scratch */
     const int64_t *a_rows;  /* [TA] element offsets */
@@ -66,7 +67,8 @@ int64_t sparse_step(const struct sparse_step *s) {
                         (int)s->max_landmarks, (float)s->landmark_scale, s->scores,
                         s->logits_ld) ||
         select_slots(s->scores, (int)s->max_landmarks, s->landmark_chunks, s->lm_start,
-                     s->lm_count, batch, h_kv, k, s->slot_chunks, s->miss_slots, s->miss_count))
+                     s->lm_count, s->slot_count, batch, h_kv, k, s->slot_chunks, s->miss_slots,
+                     s->miss_count))
         return -1;
     const int64_t n = list_misses(s->slot_chunks, s->miss_slots, s->miss_count, batch, h_kv, k,
                                   s->heads, s->chunks, s->filled, s->misses);

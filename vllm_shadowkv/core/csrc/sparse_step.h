@@ -9,8 +9,9 @@ int landmark_scores(const void *q, int q_dtype, const void *landmarks, int dtype
                     int h_q, int h_kv, int d, int max_count, float scale, float *out,
                     int64_t ld);
 int select_slots(const float *scores, int max_count, const int32_t *landmark_chunks,
-                 const int32_t *lm_start, const int32_t *lm_count, int batch, int h_kv, int k,
-                 int32_t *slot_chunks, int32_t *miss_slots, int32_t *miss_count);
+                 const int32_t *lm_start, const int32_t *lm_count, const int32_t *slot_count,
+                 int batch, int h_kv, int k, int32_t *slot_chunks, int32_t *miss_slots,
+                 int32_t *miss_count);
 int64_t list_misses(const int32_t *slot_chunks, const int32_t *miss_slots,
                     const int32_t *miss_count, int batch, int h_kv, int k, int64_t *heads,
                     int64_t *chunks, int64_t *filled, int64_t *per_request);

@@ -40,7 +40,7 @@ class CpuStep:
               rope: RopeCache, store, keys: tuple[Hashable, ...], s_q: int,
               h_q: int) -> CpuStep | None:
         params, shapes = pages.settings.params, pages.shapes
-        h, d, k, c = shapes.num_kv_heads, shapes.head_size, params.select_chunks, params.chunk_size
+        h, d, k, c = shapes.num_kv_heads, shapes.head_size, plan.num_slots, params.chunk_size
         rows = kv_cache.view(-1, d)
         found = store.gather_tables(keys) if isinstance(store, CpuValueStore) else None
         if not (found and pages.slots_in_place and params.selection == "landmarks"
@@ -70,6 +70,8 @@ class CpuStep:
             ("lm_start", plan.lm_start), ("lm_count", plan.lm_count),
             ("landmark_chunks", landmark_chunks), ("a_positions", plan.a_positions),
             ("a_start", plan.a_start)))
+        if plan.slot_count is not None:  # else NULL: every request owns k slots
+            tables["slot_count"] = plan.slot_count.to(torch.int32).contiguous()
         slot_chunks, miss_slots, miss_count = scratch["ints"]
         heads, chunks, filled = scratch["longs"]
         buffers = dict(

@@ -136,13 +136,13 @@ class ShadowKVMethod(KVMethod):
 
     def _count_step(self, layer: LayerContext, reqs: list[RequestRows],
                     misses: list[int]) -> None:
-        """Counted on the host: each KV head selects min(k, landmarks) chunks; the misses came
-        back with the step's one copy to the host."""
-        heads, k_sel = self.shapes.num_kv_heads, self.params.select_chunks
+        """Counted on the host: each KV head selects min(its slots, landmarks) chunks; the
+        misses came back with the step's one copy to the host."""
+        heads = self.shapes.num_kv_heads
         row_bytes = self.settings.chunk_size * self.shapes.head_size * self.shapes.elem_bytes
         for req, missed in zip(reqs, misses):
-            stats = layer.stats(req.req_id)
-            selected = heads * min(k_sel, self._plans[req.req_id].num_landmarks)
+            stats, plan = layer.stats(req.req_id), self._plans[req.req_id]
+            selected = heads * min(plan.num_slots, plan.num_landmarks)
             stats.decode_steps += 1
             stats.selected += selected
             stats.hits += selected - missed

@@ -48,6 +48,8 @@ class StateLayout:
     slot_v: int
     outliers: int  # int32 fields, ``ints_per_row`` ids per row
     slot_chunks: int
+    pad: int  # padding for a batch whose requests own more slots (``sparse_budget_ratio``):
+    pad_ids: int  # a zero K/V row and an id row of -1; 0 rows without a ratio
     rows: int
 
 
@@ -58,6 +60,7 @@ class RequestPlan:
 
     prompt_len: int
     num_landmarks: int  # selectable landmarks per KV head
+    num_slots: int  # selection slots per KV head (its budget in chunks)
     exact_tokens: int
     # int64 element offsets in the flat layer cache (int32 elements for the ids)
     a_rows: torch.Tensor  # [T] A rows
@@ -69,6 +72,8 @@ class RequestPlan:
     slot_v: torch.Tensor
     outliers: torch.Tensor  # [h*o] ids
     slot_chunks: torch.Tensor  # [h*k] ids
+    pad: torch.Tensor  # [] the padding row (zeros), or None
+    pad_id: torch.Tensor  # [] the padding id (-1), or None
 
 
 @dataclass(frozen=True)
@@ -88,10 +93,12 @@ class BatchPlan:
     exact_k: torch.Tensor  # [B, h, E_max] (short requests padded with their own first row)
     exact_v: torch.Tensor
     exact_len: torch.Tensor  # [B]
-    slot_k: torch.Tensor  # [B, h*k*c]
+    slot_k: torch.Tensor  # [B, h*k*c] (a request owning fewer slots: padded)
     slot_v: torch.Tensor
     outliers: torch.Tensor  # [B, h*o]
     slot_chunks: torch.Tensor  # [B, h*k]
+    num_slots: int  # k, the most slots a request of the batch owns
+    slot_count: torch.Tensor | None  # [B] int32 each request's own slots; None: all own k
 
     # Where the slots are refilled in place (``ShadowKVPages.slots_in_place``), else None:
     attended_k: torch.Tensor | None = None  # [B, h, E_max + k*c] rows: exact region, slots
@@ -156,12 +163,14 @@ class ShadowKVPages:
         p, c = self.settings.params, self.settings.chunk_size
         n_chunks = p.compressed_chunks(prompt_len)
         o = min(p.outlier_chunks, n_chunks)
-        k = p.select_chunks  # the core keeps a fixed slot count (unused slots stay empty)
+        k = p.select_chunks_for(prompt_len)  # slots a selection may leave empty stay so
         exact = o * c + prompt_len - n_chunks * c
         h, ipr = self.shapes.num_kv_heads, self.ints_per_row
+        padded = int(p.sparse_budget_ratio is not None)
         sizes = {"b": h * p.rank, "exact_k": h * exact, "exact_v": h * exact,
                  "slot_k": h * k * c, "slot_v": h * k * c,
-                 "outliers": -(-h * o // ipr), "slot_chunks": -(-h * k // ipr)}
+                 "outliers": -(-h * o // ipr), "slot_chunks": -(-h * k // ipr),
+                 "pad": padded, "pad_ids": padded}
         first, at = {}, 0
         for name, rows in sizes.items():
             first[name] = at
@@ -236,15 +245,19 @@ class ShadowKVPages:
                 + at % ipr
 
         h_e, h_s = h * st.exact_tokens, h * st.num_slots * c
+        padded = self.settings.params.sparse_budget_ratio is not None
         return RequestPlan(
-            prompt_len=prompt_len, num_landmarks=n_sel, exact_tokens=st.exact_tokens,
+            prompt_len=prompt_len, num_landmarks=n_sel, num_slots=st.num_slots,
+            exact_tokens=st.exact_tokens,
             a_rows=a_rows,
             landmark_rows=(packed_ids[lm // per_page] * page_elems + bs * r
                            + lm % per_page * self.shapes.key_width),
             b=rows(st.b, h * r), exact_k=rows(st.exact_k, h_e), exact_v=rows(st.exact_v, h_e),
             slot_k=rows(st.slot_k, h_s), slot_v=rows(st.slot_v, h_s),
             outliers=ints(st.outliers, h * st.num_outliers),
-            slot_chunks=ints(st.slot_chunks, h * st.num_slots))
+            slot_chunks=ints(st.slot_chunks, h * st.num_slots),
+            pad=rows(st.pad, 1)[0] if padded else None,
+            pad_id=ints(st.pad_ids, 1)[0] if padded else None)
 
     def batch_plan(self, req_ids: tuple[str, ...], plans: list[RequestPlan]) -> BatchPlan:
         device = plans[0].a_rows.device
@@ -262,6 +275,25 @@ class ShadowKVPages:
             return torch.stack([torch.cat([t, t[:1, :1].expand(h, e_max - t.shape[1])], dim=1)
                                 for t in per])
 
+        k = max(p.num_slots for p in plans)
+
+        def padded_slots(name: str, per_slot: int, pad: str) -> torch.Tensor:
+            """[B, h*k*per_slot]: a request owning fewer than k slots padded, per KV head,
+            with its padding row or id (never filled: ``select_slots``)."""
+            out = []
+            for p in plans:
+                t = getattr(p, name).view(h, -1)
+                if p.num_slots < k:
+                    filler = getattr(p, pad).view(1, 1).expand(h, (k - p.num_slots) * per_slot)
+                    t = torch.cat([t, filler], 1)
+                out.append(t.reshape(-1))
+            return torch.stack(out)
+
+        c = self.settings.chunk_size
+        slots = {"slot_k": padded_slots("slot_k", c, "pad"),
+                 "slot_v": padded_slots("slot_v", c, "pad"),
+                 "slot_chunks": padded_slots("slot_chunks", 1, "pad_id")}
+        owned = [p.num_slots for p in plans]
         lm_request = torch.repeat_interleave(torch.arange(len(plans), device=device),
                                              torch.tensor(lm_counts, device=device),
                                              output_size=sum(lm_counts))
@@ -279,17 +311,19 @@ class ShadowKVPages:
             lm_flat=lm_request * max(lm_counts) + lm_rank, max_landmarks=max(lm_counts),
             b=stack("b"), exact_k=padded_exact("exact_k"), exact_v=padded_exact("exact_v"),
             exact_len=torch.tensor([p.exact_tokens for p in plans], device=device),
-            slot_k=stack("slot_k"), slot_v=stack("slot_v"),
-            outliers=stack("outliers"), slot_chunks=stack("slot_chunks"),
-            **(self._in_place_rows(padded_exact, stack) if self.slots_in_place else {}))
+            outliers=stack("outliers"), **slots, num_slots=k,
+            slot_count=(None if min(owned) == k
+                        else torch.tensor(owned, dtype=torch.int32, device=device)),
+            **(self._in_place_rows(padded_exact, slots, k) if self.slots_in_place else {}))
 
-    def _in_place_rows(self, padded_exact, stack) -> dict[str, torch.Tensor]:
+    def _in_place_rows(self, padded_exact, slots, k: int) -> dict[str, torch.Tensor]:
         h, d, c = self.shapes.num_kv_heads, self.shapes.head_size, self.settings.chunk_size
         fields = {}
         for kv in ("k", "v"):
-            slots = stack(f"slot_{kv}").view(-1, h, self.settings.params.select_chunks * c) // d
-            fields[f"attended_{kv}"] = torch.cat([padded_exact(f"exact_{kv}") // d, slots], -1)
-            fields[f"slot_{kv}_rows"] = slots.unflatten(-1, (-1, c))
+            slot_rows = slots[f"slot_{kv}"].view(-1, h, k * c) // d
+            fields[f"attended_{kv}"] = torch.cat([padded_exact(f"exact_{kv}") // d, slot_rows],
+                                                 -1)
+            fields[f"slot_{kv}_rows"] = slot_rows.unflatten(-1, (-1, c))
         return fields
 
     # -- page I/O -----------------------------------------------------------------------------
@@ -315,6 +349,9 @@ class ShadowKVPages:
         ids = self.ids(kv_cache)
         ids[plan.outliers] = prompt.outliers.flatten().to(torch.int32)
         ids[plan.slot_chunks] = -1
+        if plan.pad is not None:  # what a batch's padding slots read: empty, zero rows
+            ids[plan.pad_id] = -1
+            self.write_rows(kv_cache, plan.pad.view(1), kv_cache.new_zeros(1, d))
 
     def load_batch(self, kv_cache: torch.Tensor, plan: BatchPlan, rope,
                    generated: tuple[torch.Tensor, torch.Tensor] | torch.Tensor,
@@ -327,7 +364,7 @@ class ShadowKVPages:
         and V ``[2, B, h, G + s_q]`` (the step's own last): the step refills the slots in their
         pages and gathers what it attends after."""
         params, h, d = self.settings.params, self.shapes.num_kv_heads, self.shapes.head_size
-        batch, c, k = len(plan.req_ids), params.chunk_size, params.select_chunks
+        batch, c, k = len(plan.req_ids), params.chunk_size, plan.num_slots
         ids = self.ids(kv_cache)
         outliers, landmark_chunks = self.chunk_ids(kv_cache, plan)
         if isinstance(generated, torch.Tensor):
@@ -351,8 +388,8 @@ class ShadowKVPages:
             landmarks=self.landmark_view(kv_cache), lm_rows=plan.landmark_rows,
             landmark_chunks=landmark_chunks, lm_start=plan.lm_start, lm_count=plan.lm_count,
             max_landmarks=plan.max_landmarks, exact_len=plan.exact_len,
-            slot_chunks=ids[plan.slot_chunks].view(batch, h, k), gen_len=gen_len,
-            gen_width=gen_width, **state,
+            slot_chunks=ids[plan.slot_chunks].view(batch, h, k), slot_count=plan.slot_count,
+            gen_len=gen_len, gen_width=gen_width, **state,
         ), outliers
 
     def chunk_ids(self, kv_cache: torch.Tensor,

@@ -30,6 +30,11 @@ class ShadowKVSettings(EngineSettings):
     sparse_budget: int = 2048
     """Tokens selected per KV head at each decode step (top sparse_budget/chunk_size chunks);
     outliers, the local window and generated tokens come on top of it."""
+    sparse_budget_ratio: float | None = None
+    """Each prompt's budget as a share of its tokens instead, the paper's definition (its
+    1.56 % = 0.0156), in whole chunks (at least one) and at most sparse_budget tokens. A
+    request's selection slots are sized for its own budget, so shorter prompts hold less.
+    Unset: sparse_budget for every prompt."""
     outlier_chunks: int = 48
     """Chunks per KV head with the lowest within-chunk cosine similarity, attended exactly."""
     local_window: int = 32
@@ -47,6 +52,10 @@ class ShadowKVSettings(EngineSettings):
         at_least(self, "sparse_budget", self.chunk_size)
         at_least(self, "outlier_chunks", 0)
         at_least(self, "local_window", 0)
+        if self.sparse_budget_ratio is not None and not 0.0 < self.sparse_budget_ratio <= 1.0:
+            raise SettingsError(
+                f"shadowkv.sparse_budget_ratio must be in (0, 1] (a share of each prompt, the "
+                f"paper's 1.56 % is 0.0156) or unset, got {self.sparse_budget_ratio}")
         if self.sparse_budget % self.chunk_size:
             raise SettingsError(
                 f"shadowkv.sparse_budget ({self.sparse_budget}) must be a multiple of "
@@ -82,4 +91,5 @@ class ShadowKVSettings(EngineSettings):
             rank=self.rank, chunk_size=self.chunk_size, sparse_budget=self.sparse_budget,
             outlier_chunks=self.outlier_chunks,
             local_chunks=math.ceil(self.local_window / self.chunk_size),
-            min_compress_tokens=self.min_sparse_len, selection=self.selection)
+            min_compress_tokens=self.min_sparse_len, selection=self.selection,
+            sparse_budget_ratio=self.sparse_budget_ratio)
