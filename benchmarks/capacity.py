@@ -33,6 +33,7 @@ import datetime
 import json
 import os
 import platform
+import shlex
 import subprocess
 import sys
 import time
@@ -306,8 +307,9 @@ def main() -> None:
     problems = check_consistency(engines)
     rows = summarize(engines, lengths, backends)
     meta = {
-        "command": "VLLM_CPU_KVCACHE_SPACE=%s .venv/bin/python benchmarks/capacity.py"
-                   % os.environ["VLLM_CPU_KVCACHE_SPACE"],
+        "command": " ".join([f"VLLM_CPU_KVCACHE_SPACE={os.environ['VLLM_CPU_KVCACHE_SPACE']}",
+                             ".venv/bin/python", "benchmarks/capacity.py",
+                             *map(shlex.quote, sys.argv[1:])]),
         "model": Path(model).name.rsplit("-", 1)[0],
         "model_path": model,
         "kv_cache_gib": int(os.environ["VLLM_CPU_KVCACHE_SPACE"]),
