@@ -260,8 +260,10 @@ def plot(rows: list[dict], backends, meta: dict, path: Path) -> None:
     ax2.set_ylabel("method / default")
     ax2.set_title("Concurrency ratio to the default backend")
     ax2.legend(loc="lower right")
+    paper = all(meta["settings"][m] == PAPER_SETTINGS.get(m, {}) for m in methods)
+    which = "its paper's" if paper else "the given"
     fig.suptitle(f"KV capacity by vLLM's accounting, {meta['model']} "
-                 f"({meta['kv_cache_gib']} GiB KV cache, each method at its paper's defaults)",
+                 f"({meta['kv_cache_gib']} GiB KV cache, each method at {which} settings)",
                  fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

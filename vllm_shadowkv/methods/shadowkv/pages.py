@@ -72,8 +72,8 @@ class RequestPlan:
     slot_v: torch.Tensor
     outliers: torch.Tensor  # [h*o] ids
     slot_chunks: torch.Tensor  # [h*k] ids
-    pad: torch.Tensor  # [] the padding row (zeros), or None
-    pad_id: torch.Tensor  # [] the padding id (-1), or None
+    pad: torch.Tensor | None  # [] the padding row (zeros), where budgets differ per prompt
+    pad_id: torch.Tensor | None  # [] the padding id (-1)
 
 
 @dataclass(frozen=True)
