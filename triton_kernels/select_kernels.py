@@ -177,7 +177,8 @@ def select_chunks(scores, landmark_chunks, lm_start, lm_count, k, slot_count=Non
     assert landmark_chunks.dim() == 2 and landmark_chunks.shape[1] == h_kv
     assert landmark_chunks.dtype == lm_start.dtype == lm_count.dtype == torch.int32
     assert lm_start.shape == lm_count.shape == (batch,)
-    assert slot_count is None or (slot_count.dtype == torch.int32 and slot_count.shape == (batch,))
+    assert slot_count is None or (slot_count.dtype == torch.int32
+                                  and slot_count.shape == (batch,))
     out = torch.empty(batch, h_kv, k, dtype=torch.int32, device=scores.device)
     _select_chunks_kernel[(batch * h_kv,)](
         scores, landmark_chunks, lm_start, lm_count,

@@ -127,7 +127,8 @@ def _random_requests(model: str, count: int, seed: int) -> list[tuple[str, dict,
                  "hang_up": rng.random() < 0.15}
         options = [("n", 2, 0.3 if body["temperature"] else 0.0),  # vLLM: n > 1 samples
                    ("logprobs", 3, 0.25), ("stop", ["gamma"], 0.2),
-                   ("min_tokens", min(3, body["max_tokens"]), 0.1), ("repetition_penalty", 1.2, 0.1)]
+                   ("min_tokens", min(3, body["max_tokens"]), 0.1),
+                   ("repetition_penalty", 1.2, 0.1)]
         if check["hang_up"]:
             body["stream"] = True
         else:  # vLLM refuses prompt logprobs on a stream

@@ -70,9 +70,9 @@ static int assign_row(const int32_t *wanted, int n, int32_t *slots, int32_t *fil
 
 /* scores: fp32 [B, h_kv, max_count]; landmark_chunks: int32 [NL, h_kv]; lm_start, lm_count,
  * slot_count (or NULL): int32 [B]. Misses take the lowest free slots, so a request's padding
- * slots (>= slot_count[b], empty) are never filled. slot_chunks: int32 [B, h_kv, k], updated in place; miss_slots: int32 [B, h_kv, k]
- * (the slots to fill first, -1 after); miss_count: int32 [B, h_kv]. Returns 0; 1 if a scratch
- * allocation failed. */
+ * slots (>= slot_count[b], empty) are never filled. slot_chunks: int32 [B, h_kv, k], updated
+ * in place; miss_slots: int32 [B, h_kv, k] (the slots to fill first, -1 after); miss_count:
+ * int32 [B, h_kv]. Returns 0; 1 if a scratch allocation failed. */
 int select_slots(const float *scores, int max_count, const int32_t *landmark_chunks,
                  const int32_t *lm_start, const int32_t *lm_count, const int32_t *slot_count,
                  int batch, int h_kv, int k, int32_t *slot_chunks, int32_t *miss_slots,
