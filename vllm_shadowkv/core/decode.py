@@ -67,6 +67,14 @@ class InPlace:
                      for rows in (self.k_rows, self.v_rows))
 
 
+def slot_counts(owned: list[int], device) -> torch.Tensor | None:
+    """``DecodeBatch.slot_count`` for requests owning ``owned`` slots each (the batch has the
+    largest): None where they all own as many."""
+    if min(owned) == max(owned):
+        return None
+    return torch.tensor(owned, dtype=torch.int32, device=device)
+
+
 @dataclass
 class DecodeBatch:
     params: ShadowKVParams
@@ -144,8 +152,7 @@ class DecodeBatch:
             slot_k=slots(k * c), slot_v=slots(k * c),
             gen_k=slots(gen_capacity), gen_v=slots(gen_capacity),
             gen_len=torch.zeros(batch, dtype=torch.int64, device=device),
-            slot_count=(None if min(owned) == k
-                        else torch.tensor(owned, dtype=torch.int32, device=device)),
+            slot_count=slot_counts(owned, device),
         )
 
     def _append_generated(self, k_new: torch.Tensor, v_new: torch.Tensor) -> None:

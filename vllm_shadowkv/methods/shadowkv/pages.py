@@ -30,7 +30,7 @@ import torch
 
 from vllm_shadowkv.core import ops, transfer
 from vllm_shadowkv.core.compress import CompressedPrompt
-from vllm_shadowkv.core.decode import DecodeBatch, InPlace
+from vllm_shadowkv.core.decode import DecodeBatch, InPlace, slot_counts
 from vllm_shadowkv.methods.base import KVShapes
 from vllm_shadowkv.methods.shadowkv.settings import ShadowKVSettings
 
@@ -152,6 +152,12 @@ class ShadowKVPages:
     def ints_per_row(self) -> int:
         return self.row_bytes // 4
 
+    @property
+    def pads_slots(self) -> bool:
+        """Whether requests own different slot counts (a budget per prompt), so that a batch
+        pads the smaller ones: each request then keeps a padding row and id."""
+        return self.settings.params.sparse_budget_ratio is not None
+
     def compressed_tokens(self, prompt_len: int) -> int:
         """Prompt tokens that go to the low-rank pool; 0 means the request stays exact."""
         return self.settings.params.compressed_chunks(prompt_len) * self.settings.chunk_size
@@ -166,7 +172,7 @@ class ShadowKVPages:
         k = p.select_chunks_for(prompt_len)  # slots a selection may leave empty stay so
         exact = o * c + prompt_len - n_chunks * c
         h, ipr = self.shapes.num_kv_heads, self.ints_per_row
-        padded = int(p.sparse_budget_ratio is not None)
+        padded = int(self.pads_slots)
         sizes = {"b": h * p.rank, "exact_k": h * exact, "exact_v": h * exact,
                  "slot_k": h * k * c, "slot_v": h * k * c,
                  "outliers": -(-h * o // ipr), "slot_chunks": -(-h * k // ipr),
@@ -245,7 +251,7 @@ class ShadowKVPages:
                 + at % ipr
 
         h_e, h_s = h * st.exact_tokens, h * st.num_slots * c
-        padded = self.settings.params.sparse_budget_ratio is not None
+        padded = self.pads_slots
         return RequestPlan(
             prompt_len=prompt_len, num_landmarks=n_sel, num_slots=st.num_slots,
             exact_tokens=st.exact_tokens,
@@ -275,7 +281,8 @@ class ShadowKVPages:
             return torch.stack([torch.cat([t, t[:1, :1].expand(h, e_max - t.shape[1])], dim=1)
                                 for t in per])
 
-        k = max(p.num_slots for p in plans)
+        owned = [p.num_slots for p in plans]
+        k = max(owned)
 
         def padded_slots(name: str, per_slot: int, pad: str) -> torch.Tensor:
             """[B, h*k*per_slot]: a request owning fewer than k slots padded, per KV head,
@@ -293,7 +300,6 @@ class ShadowKVPages:
         slots = {"slot_k": padded_slots("slot_k", c, "pad"),
                  "slot_v": padded_slots("slot_v", c, "pad"),
                  "slot_chunks": padded_slots("slot_chunks", 1, "pad_id")}
-        owned = [p.num_slots for p in plans]
         lm_request = torch.repeat_interleave(torch.arange(len(plans), device=device),
                                              torch.tensor(lm_counts, device=device),
                                              output_size=sum(lm_counts))
@@ -312,8 +318,7 @@ class ShadowKVPages:
             b=stack("b"), exact_k=padded_exact("exact_k"), exact_v=padded_exact("exact_v"),
             exact_len=torch.tensor([p.exact_tokens for p in plans], device=device),
             outliers=stack("outliers"), **slots, num_slots=k,
-            slot_count=(None if min(owned) == k
-                        else torch.tensor(owned, dtype=torch.int32, device=device)),
+            slot_count=slot_counts(owned, device),
             **(self._in_place_rows(padded_exact, slots, k) if self.slots_in_place else {}))
 
     def _in_place_rows(self, padded_exact, slots, k: int) -> dict[str, torch.Tensor]:
