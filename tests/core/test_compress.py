@@ -138,3 +138,25 @@ def test_core_does_not_import_vllm():
             "vllm_shadowkv.core.ops; assert not [m for m in sys.modules if m.startswith('vllm.')"
             " or m == 'vllm'], 'vllm imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_budget_and_outliers_as_shares_of_each_prompt():
+    """The paper's proportions (2048 selected tokens and 48 outlier chunks of 8 at 128K) held
+    at any prompt length: whole chunks, the budget rounded down and the outliers half up, at
+    least one chunk each, at most the fixed settings; a prompt compresses only with chunks
+    left beyond its own outliers."""
+    params = ShadowKVParams(sparse_budget=4096, outlier_chunks=64, min_compress_tokens=0,
+                            sparse_budget_ratio=2048 / 131072, outlier_ratio=48 * 8 / 131072)
+    assert (params.select_chunks_for(131072), params.outliers_for(131072)) == (256, 48)
+    assert (params.select_chunks_for(32768), params.outliers_for(32768)) == (64, 12)
+    assert (params.select_chunks_for(2048), params.outliers_for(2048)) == (4, 1)  # 0.75 -> 1
+    assert (params.select_chunks_for(100), params.outliers_for(100)) == (1, 1)  # at least one
+    assert (params.select_chunks_for(1 << 20), params.outliers_for(1 << 20)) == (512, 64)  # caps
+    assert params.outliers_for(128 * 1024 * 3 // 96) == 2  # 1.5 chunks: half up
+    fixed = ShadowKVParams(outlier_chunks=5, local_chunks=1, min_compress_tokens=0)
+    shared = ShadowKVParams(outlier_chunks=5, local_chunks=1, min_compress_tokens=0,
+                            outlier_ratio=0.01)
+    assert fixed.compressed_chunks(48) == 0 and shared.compressed_chunks(48) == 5
+    keys, values, positions, rope = _prompt(800)
+    prompt = compress_prompt(keys, values, positions, rope, shared, InMemoryValueStore(), "r")
+    assert prompt.outliers.shape == (2, 1)  # 800 x 1 % / 8 = 1 chunk, not 5

@@ -22,7 +22,7 @@ def long_prompt(num_words: int, seed: int) -> str:
 
 # Long prompts (chunked prefill: longer than max_num_batched_tokens) next to short ones.
 COVERING = {
-    "batches": [[PROMPTS[0], long_prompt(500, 0), PROMPTS[1], long_prompt(700, 1)]],  # ~3.1K/4.4K
+    "batches": [[PROMPTS[0], long_prompt(500, 0), PROMPTS[1], long_prompt(700, 1)]],  # 2.6K/3.6K
     "max_tokens": 16,
     "engine_kwargs": {"max_model_len": 6144, "max_num_batched_tokens": 1024,
                       "enable_prefix_caching": False},
@@ -64,9 +64,10 @@ def test_covering_settings_equal_default_and_run_sparse(method, block_size, tiny
 
 def test_budget_per_prompt_sizes_each_requests_slots(tiny_model, covering_reference, tmp_path):
     """``sparse_budget_ratio`` (the paper's budget, a share of each prompt): at 1.0 every prompt
-    is covered and the tokens are the default backend's; at 5 % the two long prompts (about
-    3.1K and 4.4K tokens) each select their own share of chunks per KV head at every step,
-    decoding in one batch whose smaller budget is padded."""
+    is covered and the tokens are the default backend's; at 5 % the two long prompts (2,570
+    and 3,642 tokens) each select their own share of chunks per KV head at every step,
+    decoding in one batch whose smaller budget is padded; with ``outlier_ratio`` 0.8 % they
+    keep 3 and 4 outlier chunks, padded the same way."""
     from vllm_shadowkv.core.params import ShadowKVParams
 
     ref, common = covering_reference, {**COVERING, "model": tiny_model}
@@ -74,6 +75,8 @@ def test_budget_per_prompt_sizes_each_requests_slots(tiny_model, covering_refere
     runs = {}
     for ratio in (1.0, 0.05):
         settings = covering | {"sparse_budget_ratio": ratio}
+        if ratio < 1.0:
+            settings["outlier_ratio"] = 0.008
         runs[ratio] = generate_in_fresh_process(
             {**common, "attention_backend": "shadowkv",
              "engine_kwargs": {**common["engine_kwargs"],
@@ -81,12 +84,13 @@ def test_budget_per_prompt_sizes_each_requests_slots(tiny_model, covering_refere
             _dir(tmp_path, str(ratio)))
     assert_greedy_close(ref["batches"][0], runs[1.0]["batches"][0], names=("default", "ratio 1"))
     params = ShadowKVParams(chunk_size=8, sparse_budget=covering["sparse_budget"],
-                            sparse_budget_ratio=0.05)
+                            sparse_budget_ratio=0.05, outlier_chunks=8, outlier_ratio=0.008)
     sparse = [s for s in runs[0.05]["stats"][0]["finished"].values() if s["mode"] == "sparse"]
     per_step = {s["prompt_len"]: s["selected"] / s["decode_steps"] for s in sparse}
     assert len(per_step) == 2 and all(s["decode_steps"] > 0 for s in sparse)
     assert per_step == {n: 4 * params.select_chunks_for(n) for n in per_step}  # 4 KV heads
     assert len(set(per_step.values())) == 2
+    assert sorted(params.outliers_for(n) for n in per_step) == [3, 4]
 
 
 # MiniKV's covering settings are 16-bit (no kernel to run): its quantized pages go through the

@@ -156,6 +156,9 @@ def test_a_kv_connector_beside_the_host_store_is_refused(tiny_model):
         ({"sparse_budget_ratio": 1.5}, "shadowkv.sparse_budget_ratio must be in (0, 1] (a share "
                                        "of each prompt, the paper's 1.56 % is 0.0156) or unset, "
                                        "got 1.5"),
+        ({"outlier_ratio": 0}, "shadowkv.outlier_ratio must be in (0, 1] (a share of each "
+                               "prompt, the paper's 48 chunks of 8 tokens at 128K are 0.0029) "
+                               "or unset, got 0"),
         ({"chunk_size": 24, "sparse_budget": 240}, "chunk_size (24) must divide the KV block size (128)"),
         ({"rank": 512}, "rank (512) exceeds the key width of this model: num_kv_heads (4) x "
                         "head_dim (64) = 256; allowed: 1..256"),

@@ -81,10 +81,12 @@ def _run(dtype, layout, prompts, steps):
 @pytest.mark.parametrize("ratio", [None, 0.05])
 def test_one_call_step_equals_the_composed_step(dtype, block_size, ratio, monkeypatch):
     """Same outputs, same pages (slots, ids), same hit counts, bit for bit: the same kernels in
-    the same order; also with a budget per prompt (``sparse_budget_ratio``: 3, 6 and 4 slots,
-    the batch's smaller ones padded)."""
+    the same order; also with a budget and outliers per prompt (``sparse_budget_ratio``: 3, 6
+    and 4 slots, ``outlier_ratio``: 2, 4 and 3 outlier chunks, the batch's smaller ones
+    padded)."""
     prompts = {"a": 600, "b": 1000, "c": 777}
-    settings = dataclasses.replace(SETTINGS, rank=64, sparse_budget_ratio=ratio)
+    settings = dataclasses.replace(SETTINGS, rank=64, sparse_budget_ratio=ratio,
+                                   outlier_ratio=ratio and 0.03)
     layout = make_layout(block_size=block_size, dtype=dtype, settings=settings)
     assert layout.method.pages.slots_in_place
     one = _run(dtype, layout, prompts, steps=4)

@@ -87,8 +87,9 @@ def test_compress_then_sparse_decode_from_pages(full, block_size, rank, ratio):
     h, hq, d, p, gen = 2, 8, 32, 600, 3
     settings = SETTINGS if not full else ShadowKVSettings(
         rank=h * d, sparse_budget=1024, outlier_chunks=4, local_window=16, min_sparse_len=256)
-    if ratio is not None:  # a share of the prompt, or all of it (covering)
-        settings = dataclasses.replace(settings, sparse_budget_ratio=1.0 if full else ratio)
+    if ratio is not None:  # a share of the prompt, or all of it (covering); outliers too
+        settings = dataclasses.replace(settings, sparse_budget_ratio=1.0 if full else ratio,
+                                       outlier_ratio=1.0 if full else ratio / 10)
     layout = _layout_case(block_size, rank, settings)
     assert layout.method.pages.slots_in_place == LAYOUTS[block_size, rank]
     method = layout.method
@@ -124,24 +125,32 @@ def test_compress_then_sparse_decode_from_pages(full, block_size, rank, ratio):
 
 
 # Budgets of 5 % of each prompt: 3, 6 and 4 chunks for the prompts of 600, 1000 and 777 tokens
-# below, so a batch of them pads the smaller budgets' slots.
+# below, so a batch of them pads the smaller budgets' slots; with outliers of 3 % of each
+# prompt also their outliers (2, 4 and 3 chunks).
 RATIO = dataclasses.replace(SETTINGS, sparse_budget_ratio=0.05)
+RATIOS = dataclasses.replace(RATIO, outlier_ratio=0.03)
 
 
 @pytest.mark.parametrize("block_size, rank", LAYOUTS)
-@pytest.mark.parametrize("settings", [SETTINGS, RATIO], ids=["budget", "ratio"])
+@pytest.mark.parametrize("settings", [SETTINGS, RATIO, RATIOS],
+                         ids=["budget", "ratio", "ratio+outliers"])
 def test_batched_decode_equals_each_request_alone(block_size, rank, settings):
     """One ``decode`` call for a ragged batch (different prompt lengths and generated counts,
     one request with two query rows, one finishing mid-way) gives every request exactly what
     it gets decoded alone in its own pages, and leaves the same page contents behind; the
-    same with the slots refilled in place and copied out and back, and with a budget per
-    prompt (``sparse_budget_ratio``: each request owns its own number of slots)."""
+    same with the slots refilled in place and copied out and back, with a budget per prompt
+    (``sparse_budget_ratio``: each request owns its own number of slots) and outliers per
+    prompt (``outlier_ratio``)."""
     g = torch.Generator().manual_seed(4)
     h, hq, d, steps = 2, 8, 32, 4
     prompts = {"a": 600, "b": 1000, "c": 777}
     layout = _layout_case(block_size, rank, settings)
     owned = {r: layout.method.pages.state(p).num_slots for r, p in prompts.items()}
-    assert owned == ({"a": 3, "b": 6, "c": 4} if settings is RATIO else dict.fromkeys(prompts, 8))
+    outliers = {r: layout.method.pages.state(p).num_outliers for r, p in prompts.items()}
+    assert owned == ({"a": 3, "b": 6, "c": 4} if settings.sparse_budget_ratio
+                     else dict.fromkeys(prompts, 8))
+    assert outliers == ({"a": 2, "b": 4, "c": 3} if settings.outlier_ratio
+                        else dict.fromkeys(prompts, 4))
     assert layout.method.pages.slots_in_place == LAYOUTS[block_size, rank]
     method, rope = layout.method, rope_for()
     lengths = {r: p + 2 * steps for r, p in prompts.items()}

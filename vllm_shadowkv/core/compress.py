@@ -77,7 +77,7 @@ def compress_prompt(
     split = n_chunks * c
     a, b = factorize_keys(ops.invert_rope(keys[:split], positions[:split], rope), params.rank)
     landmarks, min_cos = ops.chunk_geometry(keys[:split], c)  # [n_c, h, d], [n_c, h]
-    outliers = outlier_chunks(min_cos, params.outlier_chunks)  # [h, o]
+    outliers = outlier_chunks(min_cos, params.outliers_for(num_tokens))  # [h, o]
 
     sel_landmarks, sel_ids = selectable_landmarks(landmarks.to(dtype), outliers)
 

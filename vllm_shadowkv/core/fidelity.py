@@ -33,13 +33,13 @@ def chunk_attention_mass(q: torch.Tensor, keys: torch.Tensor, chunk_size: int,
 def attended_chunks(num_tokens: int, compressed_tokens: int, outliers: torch.Tensor,
                     slot_chunks: torch.Tensor, chunk_size: int) -> torch.Tensor:
     """Chunks one request of ``num_tokens`` prompt tokens attends exactly: selected
-    (slot_chunks [h_kv, k]), outliers [h_kv, o] and the local window (the tokens after the
-    ``compressed_tokens``). -> bool [h_kv, ceil(T / chunk_size)]."""
+    (slot_chunks [h_kv, k]), outliers [h_kv, o] (ids -1: none) and the local window (the tokens
+    after the ``compressed_tokens``). -> bool [h_kv, ceil(T / chunk_size)]."""
     h_kv = slot_chunks.shape[0]
     n_chunks = -(-num_tokens // chunk_size)
     mask = torch.zeros(h_kv, n_chunks + 1, dtype=torch.bool, device=slot_chunks.device)
-    mask.scatter_(1, torch.where(slot_chunks >= 0, slot_chunks, n_chunks).long(), True)
-    mask.scatter_(1, outliers.long().to(mask.device), True)
+    for ids in (slot_chunks, outliers.to(mask.device)):  # -1: an empty slot or padding
+        mask.scatter_(1, torch.where(ids >= 0, ids, n_chunks).long(), True)
     mask[:, compressed_tokens // chunk_size:] = True
     return mask[:, :n_chunks]
 

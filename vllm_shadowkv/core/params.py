@@ -1,5 +1,6 @@
 """ShadowKV method settings, as the engine-independent core sees them."""
 
+import math
 from dataclasses import dataclass
 
 # "landmarks": the paper's top-k over chunk landmarks. "sink_recent": a naive baseline that
@@ -14,7 +15,9 @@ class ShadowKVParams:
     `sparse_budget` counts only the dynamically selected tokens (k = sparse_budget // chunk_size
     chunks per KV head); outliers, the local window and generated tokens come on top, as in the
     paper and the authors' accuracy path. With `sparse_budget_ratio` each prompt's budget is that
-    share of its tokens (the paper's 1.56 %), at most `sparse_budget`.
+    share of its tokens (the paper's 1.56 %), at most `sparse_budget`; with `outlier_ratio` its
+    outlier chunks likewise (the paper's 48 chunks of 8 at 128K: 0.29 %), at most
+    `outlier_chunks`.
     """
 
     rank: int = 160
@@ -26,6 +29,7 @@ class ShadowKVParams:
     min_compress_tokens: int = 4096
     selection: str = "landmarks"
     sparse_budget_ratio: float | None = None
+    outlier_ratio: float | None = None
 
     @property
     def select_chunks(self) -> int:
@@ -40,6 +44,14 @@ class ShadowKVParams:
         share = int(self.sparse_budget_ratio * num_tokens) // self.chunk_size
         return min(max(share, 1), self.select_chunks)
 
+    def outliers_for(self, num_tokens: int) -> int:
+        """Outlier chunks a prompt of ``num_tokens`` keeps per KV head: its share of chunks
+        (rounded half up, at least one) where a ratio is set, at most ``outlier_chunks``."""
+        if self.outlier_ratio is None:
+            return self.outlier_chunks
+        share = math.floor(self.outlier_ratio * num_tokens / self.chunk_size + 0.5)
+        return min(max(share, 1), self.outlier_chunks)
+
     def compressed_chunks(self, num_tokens: int) -> int:
         """Chunks of a prompt that go into the low-rank pool; 0 means the prompt stays exact.
 
@@ -49,6 +61,6 @@ class ShadowKVParams:
         outliers + local, otherwise there is nothing left to select from.
         """
         n_chunks = num_tokens // self.chunk_size - self.local_chunks
-        if num_tokens < self.min_compress_tokens or n_chunks <= self.outlier_chunks:
+        if num_tokens < self.min_compress_tokens or n_chunks <= self.outliers_for(num_tokens):
             return 0
         return n_chunks

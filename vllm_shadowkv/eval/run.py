@@ -26,6 +26,7 @@ import shlex
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from datetime import date
 from functools import partial
 from pathlib import Path
@@ -153,8 +154,7 @@ def expected_sparse(spec, prompt_len: int) -> bool:
         return False
     if not spec.is_shadowkv:
         return True
-    chunks = prompt_len // c.chunk_size - -(-c.local_window // c.chunk_size)
-    return chunks > c.outlier_chunks
+    return replace(c, rank=c.rank or 1).params.compressed_chunks(prompt_len) > 0
 
 
 def decode_score(tokenizer, sample: tasks.Sample, token_ids, text: str) -> float | None:

@@ -48,7 +48,7 @@ class StateLayout:
     slot_v: int
     outliers: int  # int32 fields, ``ints_per_row`` ids per row
     slot_chunks: int
-    pad: int  # padding for a batch whose requests own more slots (``sparse_budget_ratio``):
+    pad: int  # padding for a batch whose requests own more slots or outliers (a ratio set):
     pad_ids: int  # a zero K/V row and an id row of -1; 0 rows without a ratio
     rows: int
 
@@ -61,6 +61,7 @@ class RequestPlan:
     prompt_len: int
     num_landmarks: int  # selectable landmarks per KV head
     num_slots: int  # selection slots per KV head (its budget in chunks)
+    num_outliers: int  # outlier chunks per KV head
     exact_tokens: int
     # int64 element offsets in the flat layer cache (int32 elements for the ids)
     a_rows: torch.Tensor  # [T] A rows
@@ -72,7 +73,7 @@ class RequestPlan:
     slot_v: torch.Tensor
     outliers: torch.Tensor  # [h*o] ids
     slot_chunks: torch.Tensor  # [h*k] ids
-    pad: torch.Tensor | None  # [] the padding row (zeros), where budgets differ per prompt
+    pad: torch.Tensor | None  # [] the padding row (zeros), where requests' sizes differ
     pad_id: torch.Tensor | None  # [] the padding id (-1)
 
 
@@ -95,7 +96,7 @@ class BatchPlan:
     exact_len: torch.Tensor  # [B]
     slot_k: torch.Tensor  # [B, h*k*c] (a request owning fewer slots: padded)
     slot_v: torch.Tensor
-    outliers: torch.Tensor  # [B, h*o]
+    outliers: torch.Tensor  # [B, h*o] (a request with fewer outliers: padded with id -1)
     slot_chunks: torch.Tensor  # [B, h*k]
     num_slots: int  # k, the most slots a request of the batch owns
     slot_count: torch.Tensor | None  # [B] int32 each request's own slots; None: all own k
@@ -153,10 +154,12 @@ class ShadowKVPages:
         return self.row_bytes // 4
 
     @property
-    def pads_slots(self) -> bool:
-        """Whether requests own different slot counts (a budget per prompt), so that a batch
-        pads the smaller ones: each request then keeps a padding row and id."""
-        return self.settings.params.sparse_budget_ratio is not None
+    def pads_batches(self) -> bool:
+        """Whether requests own different slot or outlier counts (a budget or outlier share
+        per prompt), so that a batch pads the smaller ones: each request then keeps a padding
+        row and id."""
+        params = self.settings.params
+        return params.sparse_budget_ratio is not None or params.outlier_ratio is not None
 
     def compressed_tokens(self, prompt_len: int) -> int:
         """Prompt tokens that go to the low-rank pool; 0 means the request stays exact."""
@@ -168,11 +171,11 @@ class ShadowKVPages:
     def state(self, prompt_len: int) -> StateLayout:
         p, c = self.settings.params, self.settings.chunk_size
         n_chunks = p.compressed_chunks(prompt_len)
-        o = min(p.outlier_chunks, n_chunks)
+        o = min(p.outliers_for(prompt_len), n_chunks)
         k = p.select_chunks_for(prompt_len)  # slots a selection may leave empty stay so
         exact = o * c + prompt_len - n_chunks * c
         h, ipr = self.shapes.num_kv_heads, self.ints_per_row
-        padded = int(self.pads_slots)
+        padded = int(self.pads_batches)
         sizes = {"b": h * p.rank, "exact_k": h * exact, "exact_v": h * exact,
                  "slot_k": h * k * c, "slot_v": h * k * c,
                  "outliers": -(-h * o // ipr), "slot_chunks": -(-h * k // ipr),
@@ -251,10 +254,10 @@ class ShadowKVPages:
                 + at % ipr
 
         h_e, h_s = h * st.exact_tokens, h * st.num_slots * c
-        padded = self.pads_slots
+        padded = self.pads_batches
         return RequestPlan(
             prompt_len=prompt_len, num_landmarks=n_sel, num_slots=st.num_slots,
-            exact_tokens=st.exact_tokens,
+            num_outliers=st.num_outliers, exact_tokens=st.exact_tokens,
             a_rows=a_rows,
             landmark_rows=(packed_ids[lm // per_page] * page_elems + bs * r
                            + lm % per_page * self.shapes.key_width),
@@ -284,22 +287,24 @@ class ShadowKVPages:
         owned = [p.num_slots for p in plans]
         k = max(owned)
 
-        def padded_slots(name: str, per_slot: int, pad: str) -> torch.Tensor:
-            """[B, h*k*per_slot]: a request owning fewer than k slots padded, per KV head,
-            with its padding row or id (never filled: ``select_slots``)."""
-            out = []
+        def padded(name: str, count: str, per_item: int, pad: str) -> torch.Tensor:
+            """[B, h*most*per_item]: a request owning fewer than the batch's most slots or
+            outliers (``count``) padded, per KV head, with its padding row or id (slots: never
+            filled, ``select_slots``; outliers: id -1, no chunk)."""
+            most, out = max(getattr(p, count) for p in plans), []
             for p in plans:
                 t = getattr(p, name).view(h, -1)
-                if p.num_slots < k:
-                    filler = getattr(p, pad).view(1, 1).expand(h, (k - p.num_slots) * per_slot)
+                if getattr(p, count) < most:
+                    filler = getattr(p, pad).view(1, 1).expand(
+                        h, (most - getattr(p, count)) * per_item)
                     t = torch.cat([t, filler], 1)
                 out.append(t.reshape(-1))
             return torch.stack(out)
 
         c = self.settings.chunk_size
-        slots = {"slot_k": padded_slots("slot_k", c, "pad"),
-                 "slot_v": padded_slots("slot_v", c, "pad"),
-                 "slot_chunks": padded_slots("slot_chunks", 1, "pad_id")}
+        slots = {"slot_k": padded("slot_k", "num_slots", c, "pad"),
+                 "slot_v": padded("slot_v", "num_slots", c, "pad"),
+                 "slot_chunks": padded("slot_chunks", "num_slots", 1, "pad_id")}
         lm_request = torch.repeat_interleave(torch.arange(len(plans), device=device),
                                              torch.tensor(lm_counts, device=device),
                                              output_size=sum(lm_counts))
@@ -317,7 +322,7 @@ class ShadowKVPages:
             lm_flat=lm_request * max(lm_counts) + lm_rank, max_landmarks=max(lm_counts),
             b=stack("b"), exact_k=padded_exact("exact_k"), exact_v=padded_exact("exact_v"),
             exact_len=torch.tensor([p.exact_tokens for p in plans], device=device),
-            outliers=stack("outliers"), **slots, num_slots=k,
+            outliers=padded("outliers", "num_outliers", 1, "pad_id"), **slots, num_slots=k,
             slot_count=slot_counts(owned, device),
             **(self._in_place_rows(padded_exact, slots, k) if self.slots_in_place else {}))
 
@@ -431,10 +436,12 @@ def _starts(counts: list[int], device) -> torch.Tensor:
 
 def _selectable_chunk_ids(outliers: torch.Tensor, plan: BatchPlan) -> torch.Tensor:
     """Chunk id of each pooled landmark row, [NL, h] int32. With a KV head's outlier ids sorted
-    (o_j), its i-th selectable chunk is i + #{j : o_j - j <= i}: the non-outliers in order."""
+    (o_j), its i-th selectable chunk is i + #{j : o_j - j <= i}: the non-outliers in order.
+    Padding ids (-1) sort last and count nowhere."""
     batch, h, o = outliers.shape
     n, device = plan.max_landmarks, outliers.device
-    gaps = outliers.long().sort(dim=-1).values - torch.arange(o, device=device)
+    present = torch.where(outliers < 0, n + o, outliers.long())  # padding: gaps past every i
+    gaps = present.sort(dim=-1).values - torch.arange(o, device=device)
     # #{j : gaps_j <= i} for every i at once: a histogram of the gaps and its running sum
     # (searching 16K ranks among the gaps took 0.7 ms per layer and step at 128K).
     below = torch.zeros(batch, h, n + 1, dtype=torch.int32, device=device).scatter_add_(

@@ -37,6 +37,10 @@ class ShadowKVSettings(EngineSettings):
     Unset: sparse_budget for every prompt."""
     outlier_chunks: int = 48
     """Chunks per KV head with the lowest within-chunk cosine similarity, attended exactly."""
+    outlier_ratio: float | None = None
+    """Each prompt's outlier chunks as a share of its tokens instead, the paper's proportion (48
+    chunks of 8 tokens at 128K: 0.0029), rounded half up, at least one and at most
+    outlier_chunks. Unset: outlier_chunks for every prompt."""
     local_window: int = 32
     """Last prompt tokens always attended exactly."""
     selection: str = "landmarks"
@@ -56,6 +60,10 @@ class ShadowKVSettings(EngineSettings):
             raise SettingsError(
                 f"shadowkv.sparse_budget_ratio must be in (0, 1] (a share of each prompt, the "
                 f"paper's 1.56 % is 0.0156) or unset, got {self.sparse_budget_ratio}")
+        if self.outlier_ratio is not None and not 0.0 < self.outlier_ratio <= 1.0:
+            raise SettingsError(
+                f"shadowkv.outlier_ratio must be in (0, 1] (a share of each prompt, the paper's "
+                f"48 chunks of 8 tokens at 128K are 0.0029) or unset, got {self.outlier_ratio}")
         if self.sparse_budget % self.chunk_size:
             raise SettingsError(
                 f"shadowkv.sparse_budget ({self.sparse_budget}) must be a multiple of "
@@ -92,4 +100,4 @@ class ShadowKVSettings(EngineSettings):
             outlier_chunks=self.outlier_chunks,
             local_chunks=math.ceil(self.local_window / self.chunk_size),
             min_compress_tokens=self.min_sparse_len, selection=self.selection,
-            sparse_budget_ratio=self.sparse_budget_ratio)
+            sparse_budget_ratio=self.sparse_budget_ratio, outlier_ratio=self.outlier_ratio)
