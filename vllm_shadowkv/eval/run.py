@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import platform
 import shlex
 import sys
@@ -31,6 +32,7 @@ from datetime import date
 from functools import partial
 from pathlib import Path
 
+from vllm_shadowkv.cpu_cores import engine_cores_env
 from vllm_shadowkv.eval import backends as backend_specs
 from vllm_shadowkv.eval import report, tasks
 
@@ -182,6 +184,7 @@ def write_json(args, argv, specs, records, engine_rows, started, complete: bool)
     meta = {"command": shlex.join(["python", "-m", "vllm_shadowkv.eval.run",
                                    *(sys.argv[1:] if argv is None else argv)]),
             "date": date.today().isoformat(), "machine": platform.processor() or platform.machine(),
+            "engine_cores": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto"),
             "seconds": round(time.time() - started, 1), "backends": [s.label for s in specs],
             "engines": engine_rows, "complete": complete}
     (args.out / "results.json").write_text(json.dumps(
@@ -212,7 +215,12 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--concurrency", type=int, default=8, help="parallel requests (server)")
     p.add_argument("--request-timeout", type=float, default=3600.0)
     p.add_argument("--out", type=Path, default=Path("accuracy-results"))
+    p.add_argument("--threads", type=int, default=0,
+                   help="CPU cores for the engines (0: all of this process's; vLLM's own binding "
+                        "keeps one for its scheduler); a VLLM_CPU_OMP_THREADS_BIND set wins")
     args = p.parse_args(argv)
+    if "VLLM_CPU_OMP_THREADS_BIND" not in os.environ and not args.server_url:
+        os.environ.update(engine_cores_env(args.threads))
 
     from transformers import AutoTokenizer
 
