@@ -156,7 +156,7 @@ def expected_sparse(spec, prompt_len: int) -> bool:
         return False
     if not spec.is_shadowkv:
         return True
-    return replace(c, rank=c.rank or 1).params.compressed_chunks(prompt_len) > 0
+    return replace(c, rank=c.rank or 1).params.compressed_chunks(prompt_len) > 0  # any rank
 
 
 def decode_score(tokenizer, sample: tasks.Sample, token_ids, text: str) -> float | None:
