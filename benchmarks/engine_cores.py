@@ -1,10 +1,8 @@
-"""What an engine benchmark gives vLLM: every core of this process, the same for each backend,
-unless ``--threads`` asks for fewer (``vllm_shadowkv.cpu_cores``), and the machine's name."""
+"""An engine benchmark's process environment (on the cores ``vllm_shadowkv.cpu_cores`` gives
+it, the same for each backend) and the machine's name."""
 
 import os
 import subprocess
-
-from vllm_shadowkv.cpu_cores import engine_cores_env  # noqa: F401  (the benchmarks' import)
 
 
 def engine_env(cores_env: dict[str, str]) -> dict[str, str]:

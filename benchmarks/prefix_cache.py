@@ -24,7 +24,9 @@ import sys
 import time
 from pathlib import Path
 
-from engine_cores import engine_cores_env, engine_env, machine  # benchmarks/engine_cores.py
+from vllm_shadowkv.cpu_cores import engine_cores_env
+
+from engine_cores import engine_env, machine  # benchmarks/engine_cores.py
 from plots import pyplot  # benchmarks/plots.py
 from throughput import shadowkv_settings  # the paper's ratio, as throughput.py runs it
 

@@ -25,7 +25,7 @@ import random
 import time
 from pathlib import Path
 
-from engine_cores import engine_cores_env  # benchmarks/engine_cores.py
+from vllm_shadowkv.cpu_cores import engine_cores_env
 
 
 def main() -> None:

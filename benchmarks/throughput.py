@@ -24,7 +24,7 @@ which decodes with no prompt being prefilled alongside), time to first token, pr
 for the method the per-request mode, slot hit rate and bytes fetched from the host store
 (``llm.collective_rpc("kv_compression_stats")``). Ratios are method / default. Every engine's
 OpenMP threads are bound to all of the machine's cores (``--threads`` for fewer,
-benchmarks/engine_cores.py). Run it on an otherwise idle machine: beside other jobs, a second
+vllm_shadowkv/cpu_cores.py). Run it on an otherwise idle machine: beside other jobs, a second
 OpenMP thread made single MKL calls (``torch.linalg.eigh`` in the compression) stall for seconds
 (1 thread then avoids it).
 
@@ -53,7 +53,9 @@ import sys
 import time
 from pathlib import Path
 
-from engine_cores import engine_cores_env, engine_env, machine  # benchmarks/engine_cores.py
+from vllm_shadowkv.cpu_cores import engine_cores_env
+
+from engine_cores import engine_env, machine  # benchmarks/engine_cores.py
 
 OUT_DIR = Path(__file__).resolve().parent / "throughput"
 MiB = 1 << 20

@@ -158,8 +158,8 @@ class ShadowKVPages:
         """Whether requests own different slot or outlier counts (a budget or outlier share
         per prompt), so that a batch pads the smaller ones: each request then keeps a padding
         row and id."""
-        params = self.settings.params
-        return params.sparse_budget_ratio is not None or params.outlier_ratio is not None
+        s = self.settings
+        return s.sparse_budget_ratio is not None or s.outlier_ratio is not None
 
     def compressed_tokens(self, prompt_len: int) -> int:
         """Prompt tokens that go to the low-rank pool; 0 means the request stays exact."""
@@ -291,13 +291,13 @@ class ShadowKVPages:
             """[B, h*most*per_item]: a request owning fewer than the batch's most slots or
             outliers (``count``) padded, per KV head, with its padding row or id (slots: never
             filled, ``select_slots``; outliers: id -1, no chunk)."""
-            most, out = max(getattr(p, count) for p in plans), []
-            for p in plans:
+            counts = [getattr(p, count) for p in plans]
+            most, out = max(counts), []
+            for p, n in zip(plans, counts):
                 t = getattr(p, name).view(h, -1)
-                if getattr(p, count) < most:
-                    filler = getattr(p, pad).view(1, 1).expand(
-                        h, (most - getattr(p, count)) * per_item)
-                    t = torch.cat([t, filler], 1)
+                if n < most:
+                    t = torch.cat([t, getattr(p, pad).view(1, 1).expand(h, (most - n) * per_item)],
+                                  1)
                 out.append(t.reshape(-1))
             return torch.stack(out)
 
