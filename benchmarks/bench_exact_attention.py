@@ -1,5 +1,5 @@
 """The engine's exact attention (prefill, chunked prefill) on the CPU: its C kernel
-(csrc/prefill_attention.c, AVX512-BF16 dot products for both products) against vLLM's own CPU
+(csrc/prefill_attention.c: AVX512-BF16 dot products for both products, or AVX2 fp32 FMAs) against vLLM's own CPU
 kernel (``cpu_attention_with_kv_cache``, what vLLM's default CPU backend runs) on the same
 inputs, at Llama-3.1-8B and SmolLM2-135M attention shapes; whole prompts and later chunks.
 Reported as times, GFLOP/s of the causal products and ratios; outputs compared.
@@ -129,7 +129,7 @@ def cpu_rows(reps: int) -> list[dict]:
         q = torch.randn(q_len, h_q, head_dim, dtype=torch.bfloat16)
         k, v = (torch.randn(s_len, h_kv, head_dim, dtype=torch.bfloat16) for _ in range(2))
         scale = head_dim ** -0.5
-        assert prefill_in_c(q, k, v), "the C kernel does not run here (AVX512-BF16, no AMX?)"
+        assert prefill_in_c(q, k, v), "the C kernel does not run here (AVX512-BF16 or AVX2, no AMX?)"
         engine = timed(lambda: causal_attention(q, k, v, scale), reps)
         vllm = timed(lambda: _vllm_cpu_attention(q, k, v, scale), reps)
         diff = (causal_attention(q, k, v, scale).float()

@@ -20,7 +20,7 @@ def _amx_tiles() -> bool:
 
 
 def _c_sums_with_lse() -> bool:
-    """Whether the C column sums that take the rows' LSE run here (AVX512-BF16)."""
+    """Whether the C column sums that take the rows' LSE run here (AVX512-BF16 or AVX2)."""
     q = torch.zeros(1, 1, 64).bfloat16()
     return native.library() is not None and native.supports_column_sums_lse(q, q)
 
@@ -61,7 +61,7 @@ def test_chunked_column_sums_equal_one_pass(impl, gqa, chunks, head_dim, given_l
     _check_chunked(impl, gqa, chunks, head_dim, given_lse, dtype, monkeypatch, kernel_device)
 
 
-@pytest.mark.skipif(not _c_sums_with_lse(), reason="needs AVX512-BF16")
+@pytest.mark.skipif(not _c_sums_with_lse(), reason="needs AVX512-BF16 or AVX2")
 @pytest.mark.parametrize("gqa", [1, 4, 8])
 @pytest.mark.parametrize("chunks, head_dim", CHUNKS)
 def test_c_column_sums_from_the_lse_equal_one_pass(gqa, chunks, head_dim, monkeypatch):

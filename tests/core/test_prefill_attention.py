@@ -13,7 +13,7 @@ from torch_threads import torch_threads
 
 pytestmark = pytest.mark.skipif(
     native.library() is None or not native.library().prefill_attention_built(),
-    reason="the C prefill attention needs a compiler and a CPU with AVX512-BF16")
+    reason="the C prefill attention needs a compiler and a CPU with AVX512-BF16 or AVX2")
 
 SHAPES = [(1, 1), (5, 5), (16, 16), (17, 17), (150, 150), (129, 129), (70, 203), (33, 257),
           (1, 90), (3, 1000)]

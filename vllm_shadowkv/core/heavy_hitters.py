@@ -8,8 +8,8 @@ selects for itself, so K/V are never expanded to query heads (spec §10.3).
 Chunked prefill: each chunk adds its queries' contributions to every key so far, so summing
 chunk by chunk equals one whole-prompt pass; the [n, L] map of a long prompt is never
 materialised. Where a bf16 chunk's attention ran in C (``csrc/prefill_attention.c``, on
-AVX512-BF16) it gave each row's LSE, and a C kernel adds exp(logit - LSE) into the keys' sums in
-one pass (``column_sums_lse`` in ``csrc/column_sums.c``). Where vLLM's kernel ran it (no LSE), on
+AVX512-BF16 or AVX2) it gave each row's LSE, and a C kernel adds exp(logit - LSE) into the keys'
+sums in one pass (``column_sums_lse`` in ``csrc/column_sums.c``). Where vLLM's kernel ran it (no LSE), on
 a CPU with AMX tiles a C kernel takes bf16 chunks (``csrc/column_sums.c``: two passes of 16 x 16
 tiles, 2.7-3.9x the GEMM tiles' speed). Elsewhere on the CPU (``gemm_column_sums``) a tile of
 whole rows (a few query tokens of one KV head's group, all their keys) is one 16-bit GEMM whose

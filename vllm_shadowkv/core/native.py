@@ -403,7 +403,7 @@ def supports_prefill_attention(query: torch.Tensor, key: torch.Tensor, value: to
                                ) -> bool:
     """Whether ``prefill_attention`` here takes these: bf16 CPU tensors, a head dimension a
     multiple of 16 up to 512, at most 16 query heads per KV head, at least as many keys as
-    queries, and the library built for a CPU with AVX512-BF16."""
+    queries, and the library built for a CPU with AVX512-BF16 or AVX2 (fp32 FMAs there)."""
     (q_len, h_q, head_dim), (s_len, h_kv, _) = query.shape, key.shape
     return (query.device.type == key.device.type == value.device.type == "cpu"
             and query.dtype == key.dtype == value.dtype == torch.bfloat16
@@ -529,7 +529,7 @@ def supports_column_sums(q: torch.Tensor, k: torch.Tensor) -> bool:
 
 def column_sums_lse(q, k, scale, lse):
     """heavy_hitters.chunk_column_sums_reference given the rows' LSE, in one C call on
-    AVX512-BF16 dot products (``csrc/column_sums.c``): q [n, h_q, d] the chunk's queries, k
+    AVX512-BF16 dot products or AVX2 (``csrc/column_sums.c``): q [n, h_q, d] the chunk's queries, k
     [length, h_kv, d] every key so far, lse [h_kv, G, n] from the chunk's attention ->
     [h_kv, length] fp32. For what ``supports_column_sums_lse`` accepts."""
     n, h_q, head_dim = q.shape

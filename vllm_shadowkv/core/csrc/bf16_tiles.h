@@ -1,6 +1,7 @@
 /* What the bf16 prefill kernels share (prefill_attention.c, column_sums.c's column_sums_lse):
  * one KV head's keys and values packed per block of KEYS keys into AVX512-BF16's pair layouts,
- * and the S = Q K^T micro-tile of ROW_TILE query rows x 32 keys. */
+ * and the S = Q K^T micro-tile of ROW_TILE query rows x 32 keys. Without AVX512-BF16 (AVX2
+ * CPUs) the same in fp32: keys and values converted once, an S tile of S_ROWS rows x 16 keys. */
 #pragma once
 #include "cpu.h"
 
@@ -61,5 +62,75 @@ static inline void s_tile(const uint16_t *q, int d, const uint32_t *kp, float *s
         _mm512_storeu_ps(s + r * ld, acc[r][0]);
         _mm512_storeu_ps(s + r * ld + 16, acc[r][1]);
     }
+}
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512BF16__)
+#define S_ROWS 6
+
+static inline __m256 bf16x8(const uint16_t *src) {
+    return _mm256_castsi256_ps(
+        _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)src)), 16));
+}
+
+/* the head's keys key0 .. key0 + KEYS (zero past s_len) -> kp [KEYS / 8][d][8] */
+static inline void pack_keys_f32(const uint16_t *k, int64_t k_stride, int s_len, int d,
+                                 int key0, float *kp) {
+    for (int j = 0; j < KEYS; j++) {
+        float *dst = kp + (int64_t)(j / 8) * d * 8 + j % 8;
+        if (key0 + j < s_len) {
+            const uint16_t *row = k + (int64_t)(key0 + j) * k_stride;
+            for (int x = 0; x < d; x++) {
+                const uint32_t bits = (uint32_t)row[x] << 16;
+                memcpy(dst + x * 8, &bits, 4);
+            }
+        } else {
+            for (int x = 0; x < d; x++) dst[x * 8] = 0.f;
+        }
+    }
+}
+
+/* the head's values key0 .. key0 + KEYS (zero past s_len) -> vp in slices of 32 channels (the
+ * last one 16 where d is an odd multiple of 16), each [KEYS][its width]: a PV tile reads one
+ * run of memory */
+static inline void pack_values_f32(const uint16_t *v, int64_t v_stride, int s_len, int d,
+                                   int key0, float *vp) {
+    for (int x0 = 0; x0 < d; x0 += 32) {
+        const int width = d - x0 < 32 ? d - x0 : 32;
+        float *slice = vp + (int64_t)KEYS * x0;
+        for (int j = 0; j < KEYS; j++) {
+            float *dst = slice + j * width;
+            if (key0 + j < s_len)
+                for (int x = 0; x < width; x += 8)
+                    _mm256_storeu_ps(dst + x,
+                                     bf16x8(v + (int64_t)(key0 + j) * v_stride + x0 + x));
+            else
+                memset(dst, 0, sizeof(float) * width);
+        }
+    }
+}
+
+/* s[r][0, 16) = rows 0..5 of q (fp32 rows of d) . the 16 keys of kp's two groups. The sums are
+ * named variables: held in an array, gcc stored all twelve to the stack on every channel. */
+static inline void s_tile_f32(const float *q, int d, const float *kp, float *s, int ld) {
+#define ROW_SUMS(r) __m256 a##r##0 = _mm256_setzero_ps(), a##r##1 = _mm256_setzero_ps()
+    ROW_SUMS(0); ROW_SUMS(1); ROW_SUMS(2); ROW_SUMS(3); ROW_SUMS(4); ROW_SUMS(5);
+#undef ROW_SUMS
+    const float *k0 = kp, *k1 = kp + d * 8;
+    for (int x = 0; x < d; x++) {
+        const __m256 b0 = _mm256_loadu_ps(k0 + x * 8), b1 = _mm256_loadu_ps(k1 + x * 8);
+#define ROW(r)                                                    \
+    do {                                                          \
+        const __m256 a = _mm256_broadcast_ss(q + (r) * d + x);    \
+        a##r##0 = _mm256_fmadd_ps(a, b0, a##r##0);                \
+        a##r##1 = _mm256_fmadd_ps(a, b1, a##r##1);                \
+    } while (0)
+        ROW(0); ROW(1); ROW(2); ROW(3); ROW(4); ROW(5);
+#undef ROW
+    }
+#define STORE(r) \
+    _mm256_storeu_ps(s + (r) * ld, a##r##0), _mm256_storeu_ps(s + (r) * ld + 8, a##r##1)
+    STORE(0); STORE(1); STORE(2); STORE(3); STORE(4); STORE(5);
+#undef STORE
 }
 #endif
