@@ -1,8 +1,8 @@
 """The engine's exact attention (prefill, chunked prefill) on the CPU: its C kernel
-(csrc/prefill_attention.c: AVX512-BF16 dot products for both products, or AVX2 fp32 FMAs) against vLLM's own CPU
-kernel (``cpu_attention_with_kv_cache``, what vLLM's default CPU backend runs) on the same
-inputs, at Llama-3.1-8B and SmolLM2-135M attention shapes; whole prompts and later chunks.
-Reported as times, GFLOP/s of the causal products and ratios; outputs compared.
+(csrc/prefill_attention.c: AVX512-BF16 dot products for both products, or fp32 FMAs on AVX2)
+against vLLM's own CPU kernel (``cpu_attention_with_kv_cache``, what vLLM's default CPU backend
+runs) on the same inputs, at Llama-3.1-8B and SmolLM2-135M attention shapes; whole prompts and
+later chunks. Reported as times, GFLOP/s of the causal products and ratios; outputs compared.
 
   python benchmarks/bench_exact_attention.py --out benchmarks/exact_attention/cpu_c_kernel.json
 
