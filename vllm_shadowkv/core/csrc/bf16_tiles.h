@@ -66,7 +66,7 @@ static inline void s_tile(const uint16_t *q, int d, const uint32_t *kp, float *s
 #endif
 
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512BF16__)
-#define S_ROWS 6
+#define S_ROWS 6 /* query rows of s_tile_f32 */
 
 static inline __m256 bf16x8(const uint16_t *src) {
     return _mm256_castsi256_ps(

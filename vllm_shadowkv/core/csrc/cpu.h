@@ -158,7 +158,7 @@ static inline __m512 exp2_ps(__m512 t) {
 #endif
 
 #if defined(__AVX2__) && defined(__FMA__)
-/* 2^t as exp2_ps (cpu.h) on 8 lanes: t clamped at -126, 2^n built in the exponent bits */
+/* 2^t as exp2_ps above, on 8 lanes: t clamped at -126, 2^n built in the exponent bits */
 static inline __m256 exp2_ps8(__m256 t) {
     t = _mm256_max_ps(t, _mm256_set1_ps(-126.f));
     const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
