@@ -210,8 +210,10 @@ int column_sums(const void *q, const void *k, int64_t k_stride, int n, int h_q, 
 int column_sums_lse(const uint16_t *q, int64_t q_stride, const uint16_t *k, int64_t k_stride,
                     int n, int length, int h_q, int h_kv, int d, float scale, const float *lse,
                     float *total) {
-#if defined(__AVX512BF16__)
+#if defined(__AVX512BF16__) || (defined(__AVX2__) && defined(__FMA__))
     if (d % 16 || d > MAX_HEAD_DIM || h_q % h_kv || length < n) return 1;
+#endif
+#if defined(__AVX512BF16__)
     const int g = h_q / h_kv, offset = length - n, rows = n * g;
     const int rows_pad = (rows + ROW_TILE - 1) / ROW_TILE * ROW_TILE;
     const int key_blocks = (length + KEYS - 1) / KEYS;
@@ -279,7 +281,6 @@ int column_sums_lse(const uint16_t *q, int64_t q_stride, const uint16_t *k, int6
     return status ? 2 : 0;
 #elif defined(__AVX2__) && defined(__FMA__)
     /* the same on bf16_tiles.h's fp32 tiles (AVX2 CPUs) */
-    if (d % 16 || d > MAX_HEAD_DIM || h_q % h_kv || length < n) return 1;
     const int g = h_q / h_kv, offset = length - n, rows = n * g;
     const int rows_pad = (rows + S_ROWS - 1) / S_ROWS * S_ROWS;
     const int key_blocks = (length + KEYS - 1) / KEYS;

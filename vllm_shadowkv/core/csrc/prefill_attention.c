@@ -272,9 +272,12 @@ static int prefill_attention_f32(const uint16_t *q, int64_t q_stride, const uint
 int prefill_attention(const uint16_t *q, int64_t q_stride, const uint16_t *k, int64_t k_stride,
                       const uint16_t *v, int64_t v_stride, int q_len, int s_len, int h_q,
                       int h_kv, int d, float scale, uint16_t *out, float *lse) {
+#if defined(__AVX512BF16__) || (defined(__AVX2__) && defined(__FMA__))
+    if (d % 16 || d > MAX_HEAD_DIM || h_q % h_kv || h_q / h_kv > MAX_GROUP || s_len < q_len)
+        return 1;
+#endif
 #if defined(__AVX512BF16__)
     const int g = h_q / h_kv;
-    if (d % 16 || d > MAX_HEAD_DIM || g > MAX_GROUP || h_q % h_kv || s_len < q_len) return 1;
     const int s_pad = (s_len + KEYS - 1) / KEYS * KEYS, key_blocks = s_pad / KEYS;
     const int64_t head_words = (int64_t)s_pad * d / 2; /* a head's packed K (or V), in pairs */
     /* one KV head's at a time: the threads share it in the last-level cache (16 MiB at 32K,
@@ -354,8 +357,6 @@ int prefill_attention(const uint16_t *q, int64_t q_stride, const uint16_t *k, in
     free(kp), free(vp);
     return status ? 2 : 0;
 #elif defined(__AVX2__) && defined(__FMA__)
-    if (d % 16 || d > MAX_HEAD_DIM || h_q / h_kv > MAX_GROUP || h_q % h_kv || s_len < q_len)
-        return 1;
     return prefill_attention_f32(q, q_stride, k, k_stride, v, v_stride, q_len, s_len, h_q, h_kv,
                                  d, scale, out, lse);
 #else
