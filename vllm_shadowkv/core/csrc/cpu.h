@@ -139,6 +139,14 @@ static inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
 }
 #endif
 
+#if defined(__AVX2__)
+/* sum4 on 8 lanes */
+static inline __m128 sum4_ps8(__m256 a, __m256 b, __m256 c, __m256 d) {
+    const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+    return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+}
+#endif
+
 #if defined(__AVX512F__)
 /* 2^t: 2^n x 2^f with n = round(t), f in [-1/2, 1/2], 2^f by its Taylor polynomial of degree 6
  * (relative error below 2e-7); t clamped at -126, no denormals. */

@@ -5,9 +5,10 @@
  * Row b of the group table owns its first count[b] pool groups; each KV head's query heads
  * and the step's tokens are the query rows of that head, so each group is unpacked once for
  * all of them. Per group: the keys are scored, folded into an online softmax, then the values
- * added: with AVX-512 each 16 channels of a key or value are unpacked and dequantized in a
- * register (a broadcast word, a shift per lane) and used by four query rows at once; otherwise
- * through a G x d fp32 tile. The dequantized cache never exists beyond one group, and there is
+ * added: with AVX-512 each 16 channels of a key or value (with AVX2, 8) are unpacked and
+ * dequantized in a register (a broadcast word, a shift per lane) and used by four query rows at
+ * once (AVX2 scores a key's codes against the query rows times the key scales, and adds the rows'
+ * dot with the zeros); otherwise through a G x d fp32 tile. The dequantized cache never exists beyond one group, and there is
  * no score matrix. Sums and dequantization in fp32, as the reference. */
 #include <stdlib.h>
 
@@ -29,6 +30,11 @@ struct format {
     /* per 16 channels v: the first word, each lane's word after it and its shift */
     int first_word[MAX_HEAD_DIM / 16];
     __m512i lane_word[MAX_HEAD_DIM / 16], lane_shift[MAX_HEAD_DIM / 16];
+#elif defined(__AVX2__) && defined(__FMA__)
+    int vectors; /* d / 8 where the vector path runs (d % 8 == 0), else 0 */
+    /* per 8 channels v: their word (8 codes of at most 4 bits fit one) and each lane's shift */
+    int first_word[MAX_HEAD_DIM / 8];
+    __m256i lane_shift[MAX_HEAD_DIM / 8];
 #endif
 };
 
@@ -47,7 +53,30 @@ static void set_up(struct format *f) {
         f->lane_word[v] = _mm512_loadu_si512(word);
         f->lane_shift[v] = _mm512_loadu_si512(shift);
     }
+#elif defined(__AVX2__) && defined(__FMA__)
+    const int per_word = 32 / f->bits;
+    f->vectors = f->d % 8 == 0 ? f->d / 8 : 0;
+    for (int v = 0; v < f->vectors; v++) {
+        int32_t shift[8];
+        f->first_word[v] = 8 * v / per_word;
+        for (int i = 0; i < 8; i++) shift[i] = (8 * v + i) % per_word * f->bits;
+        f->lane_shift[v] = _mm256_loadu_si256((const __m256i *)shift);
+    }
 #endif
+}
+
+/* qs = each query row times the group's key scales, qz = each row . its key zeros: then
+ * q . key = qs . codes + qz, and a key is never dequantized. */
+static inline void scale_queries(const float *qf, int rows, int d, const float *k_scale,
+                          const float *k_zero, float *qs, float *qz) {
+    for (int r = 0; r < rows; r++) {
+        float dot = 0.f;
+        for (int c = 0; c < d; c++) {
+            qs[r * d + c] = qf[r * d + c] * k_scale[c];
+            dot += qf[r * d + c] * k_zero[c];
+        }
+        qz[r] = dot;
+    }
 }
 
 #if defined(__AVX512F__)
@@ -115,20 +144,6 @@ static void group_scores_1bit(const struct format *f, const int32_t *codes, cons
     }
 }
 
-/* qs = each query row times the group's key scales, qz = each row . its key zeros. */
-static void scale_queries(const float *qf, int rows, int d, const float *k_scale,
-                          const float *k_zero, float *qs, float *qz) {
-    for (int r = 0; r < rows; r++) {
-        __m512 dot = _mm512_setzero_ps();
-        for (int c = 0; c < d; c += 16) {
-            const __m512 q = _mm512_loadu_ps(qf + r * d + c);
-            _mm512_storeu_ps(qs + r * d + c, _mm512_mul_ps(q, _mm512_loadu_ps(k_scale + c)));
-            dot = _mm512_fmadd_ps(q, _mm512_loadu_ps(k_zero + c), dot);
-        }
-        qz[r] = _mm512_reduce_add_ps(dot);
-    }
-}
-
 /* acc[r] += sum_i p[r * n + i] * value i, each 16 channels of a value dequantized in a
  * register once per four rows (value_group a multiple of 16: one scale per vector). */
 static void group_add_values(const struct format *f, const int32_t *codes, const float *v_scale,
@@ -152,6 +167,63 @@ static void group_add_values(const struct format *f, const int32_t *codes, const
             }
             _mm512_storeu_ps(out, a0), _mm512_storeu_ps(out + d, a1);
             _mm512_storeu_ps(out + 2 * d, a2), _mm512_storeu_ps(out + 3 * d, a3);
+        }
+    }
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+/* Channels [8 v, 8 v + 8) of a token's codes as fp32: one word broadcast, a shift per lane. */
+static inline __m256 codes8(const struct format *f, const int32_t *words, int v) {
+    const __m256i lanes = _mm256_srlv_epi32(_mm256_set1_epi32(words[f->first_word[v]]),
+                                            f->lane_shift[v]);
+    return _mm256_cvtepi32_ps(_mm256_and_si256(lanes, _mm256_set1_epi32((1 << f->bits) - 1)));
+}
+
+/* p[r * n + i] = scale * (query row r . key i) = scale * (qs_r . codes_i + qz_r) for the
+ * group's n keys, four rows at a time (qs, qz: scale_queries; rows rounded up to 4). */
+static void group_scores8(const struct format *f, const int32_t *codes, const float *qs,
+                          const float *qz, int nq, float scale, float *p) {
+    const int nv = f->vectors, d = f->d, n = f->group;
+    for (int i = 0; i < n; i++) {
+        const int32_t *words = codes + (int64_t)i * f->words;
+        for (int r = 0; r < nq; r += 4) {
+            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+            for (int v = 0; v < nv; v++) {
+                const __m256 k = codes8(f, words, v);
+                a0 = _mm256_fmadd_ps(k, _mm256_loadu_ps(qs + r * d + 8 * v), a0);
+                a1 = _mm256_fmadd_ps(k, _mm256_loadu_ps(qs + (r + 1) * d + 8 * v), a1);
+                a2 = _mm256_fmadd_ps(k, _mm256_loadu_ps(qs + (r + 2) * d + 8 * v), a2);
+                a3 = _mm256_fmadd_ps(k, _mm256_loadu_ps(qs + (r + 3) * d + 8 * v), a3);
+            }
+            float four[4];
+            _mm_storeu_ps(four, sum4_ps8(a0, a1, a2, a3));
+            for (int u = 0; u < 4; u++) p[(r + u) * n + i] = (four[u] + qz[r + u]) * scale;
+        }
+    }
+}
+
+/* acc[r] += sum_i p[r * n + i] * value i, each 8 channels of a value dequantized in a register
+ * once per four rows (value_group a multiple of 8: one scale per vector). */
+static void group_add_values8(const struct format *f, const int32_t *codes, const float *v_scale,
+                              const float *v_zero, const float *p, int nq, float *acc) {
+    const int d = f->d, n = f->group, per_token = d / f->value_group;
+    for (int v = 0; v < f->vectors; v++) {
+        const int at = 8 * v / f->value_group;
+        for (int r = 0; r < nq; r += 4) {
+            float *out = acc + r * d + 8 * v;
+            __m256 a0 = _mm256_loadu_ps(out), a1 = _mm256_loadu_ps(out + d),
+                   a2 = _mm256_loadu_ps(out + 2 * d), a3 = _mm256_loadu_ps(out + 3 * d);
+            for (int i = 0; i < n; i++) {
+                const __m256 x = _mm256_fmadd_ps(
+                    codes8(f, codes + (int64_t)i * f->words, v),
+                    _mm256_set1_ps(v_scale[i * per_token + at]),
+                    _mm256_set1_ps(v_zero[i * per_token + at]));
+                a0 = _mm256_fmadd_ps(_mm256_set1_ps(p[r * n + i]), x, a0);
+                a1 = _mm256_fmadd_ps(_mm256_set1_ps(p[(r + 1) * n + i]), x, a1);
+                a2 = _mm256_fmadd_ps(_mm256_set1_ps(p[(r + 2) * n + i]), x, a2);
+                a3 = _mm256_fmadd_ps(_mm256_set1_ps(p[(r + 3) * n + i]), x, a3);
+            }
+            _mm256_storeu_ps(out, a0), _mm256_storeu_ps(out + d, a1);
+            _mm256_storeu_ps(out + 2 * d, a2), _mm256_storeu_ps(out + 3 * d, a3);
         }
     }
 }
@@ -246,6 +318,9 @@ int quant_attention(const void *q, int q_dtype, int batch, int s_q, int h_q, int
 #if defined(__AVX512F__)
     vector_keys = f.vectors && d <= 256;  /* a key's vectors fit in registers */
     vector_values = f.vectors && value_group % 16 == 0;
+#elif defined(__AVX2__) && defined(__FMA__)
+    vector_keys = f.vectors != 0;
+    vector_values = f.vectors && value_group % 8 == 0;
 #endif
     /* rows padded to a multiple of 4 (zero queries and weights) for the vector paths */
     const int rows = (nq + 3) / 4 * 4, per_token = d / value_group;
@@ -289,6 +364,11 @@ int quant_attention(const void *q, int q_dtype, int batch, int s_q, int h_q, int
                     group_scores_1bit(&f, k_codes, qs, qz, rows, scale, p);
                 } else if (vector_keys)
                     group_scores(&f, k_codes, k_scale, k_zero, qf, rows, scale, p);
+#elif defined(__AVX2__) && defined(__FMA__)
+                if (vector_keys) {
+                    scale_queries(qf, rows, d, k_scale, k_zero, qs, qz);
+                    group_scores8(&f, k_codes, qs, qz, rows, scale, p);
+                }
 #endif
                 if (!vector_keys) {
                     group_keys(&f, k_codes, k_scale, k_zero, kv);
@@ -312,6 +392,9 @@ int quant_attention(const void *q, int q_dtype, int batch, int s_q, int h_q, int
 #if defined(__AVX512F__)
                 if (vector_values)
                     group_add_values(&f, v_codes, v_scale, v_zero, p, rows, acc);
+#elif defined(__AVX2__) && defined(__FMA__)
+                if (vector_values)
+                    group_add_values8(&f, v_codes, v_scale, v_zero, p, rows, acc);
 #endif
                 if (!vector_values) {
                     group_values(&f, v_codes, v_scale, v_zero, kv);
