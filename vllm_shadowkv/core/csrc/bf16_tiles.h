@@ -68,11 +68,6 @@ static inline void s_tile(const uint16_t *q, int d, const uint32_t *kp, float *s
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512BF16__)
 #define S_ROWS 6 /* query rows of s_tile_f32 */
 
-static inline __m256 bf16x8(const uint16_t *src) {
-    return _mm256_castsi256_ps(
-        _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)src)), 16));
-}
-
 /* the head's keys key0 .. key0 + KEYS (zero past s_len) -> kp [KEYS / 8][d][8] */
 static inline void pack_keys_f32(const uint16_t *k, int64_t k_stride, int s_len, int d,
                                  int key0, float *kp) {

@@ -126,6 +126,25 @@ struct rows {
     int64_t ld;
 };
 
+#if defined(__AVX512F__) || defined(__AVX2__)
+/* Row i's successors DOTS_AHEAD (into L1) and DOTS_FAR (into L2) ahead, all heads, of `size`
+ * bytes per element. */
+static inline void prefetch_rows(const struct rows *r, int i, int i1, int size) {
+    if (i + DOTS_AHEAD < i1) {
+        const char *ahead = r->base + r->ids[i + DOTS_AHEAD] * r->row_bytes;
+        for (int h = 0; h < r->h_kv; h++)
+            for (int line = 0; line < r->d * size; line += 64)
+                _mm_prefetch(ahead + h * r->head_bytes + line, _MM_HINT_T0);
+    }
+    if (i + DOTS_FAR < i1) {  /* into L2 a page's landmarks ahead: from memory */
+        const char *ahead = r->base + r->ids[i + DOTS_FAR] * r->row_bytes;
+        for (int h = 0; h < r->h_kv; h++)
+            for (int line = 0; line < r->d * size; line += 64)
+                _mm_prefetch(ahead + h * r->head_bytes + line, _MM_HINT_T1);
+    }
+}
+#endif
+
 #if defined(__AVX512F__)
 /* The four vectors' sums, one per lane: transposing adds (a horizontal sum each would cost
  * twice the instructions). */
@@ -140,6 +159,12 @@ static inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
 #endif
 
 #if defined(__AVX2__)
+/* 8 bf16 as fp32: bf16 is fp32's upper half */
+static inline __m256 bf16x8(const uint16_t *src) {
+    return _mm256_castsi256_ps(
+        _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)src)), 16));
+}
+
 /* sum4 on 8 lanes */
 static inline __m128 sum4_ps8(__m256 a, __m256 b, __m256 c, __m256 d) {
     const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
@@ -196,18 +221,7 @@ static inline __attribute__((always_inline)) void bf16_dots_nv(
     const int nv) {
     const __mmask32 tail = r->d % 32 ? (1u << r->d % 32) - 1 : ~0u;
     for (int i = i0; i < i1; i++) {
-        if (i + DOTS_AHEAD < i1) {
-            const char *ahead = r->base + r->ids[i + DOTS_AHEAD] * r->row_bytes;
-            for (int h = 0; h < r->h_kv; h++)
-                for (int line = 0; line < r->d * 2; line += 64)
-                    _mm_prefetch(ahead + h * r->head_bytes + line, _MM_HINT_T0);
-        }
-        if (i + DOTS_FAR < i1) {  /* into L2 a page's landmarks ahead: from memory */
-            const char *ahead = r->base + r->ids[i + DOTS_FAR] * r->row_bytes;
-            for (int h = 0; h < r->h_kv; h++)
-                for (int line = 0; line < r->d * 2; line += 64)
-                    _mm_prefetch(ahead + h * r->head_bytes + line, _MM_HINT_T1);
-        }
+        prefetch_rows(r, i, i1, 2);
         for (int h = 0; h < r->h_kv; h++) {
             const uint16_t *row = (const uint16_t *)(r->base + r->ids[i] * r->row_bytes +
                                                      h * r->head_bytes);
@@ -245,6 +259,55 @@ static inline void bf16_dots(const struct rows *r, const void *const *queries, i
     case 4: bf16_dots_nv(r, queries, nq, logits, i0, i1, 4); return;
     default: bf16_dots_nv(r, queries, nq, logits, i0, i1, (r->d + 31) / 32);
     }
+}
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__)
+/* bf16_dots without AVX512-BF16: rows of fp32 (bf16 = 0) or bf16 (bf16 = 1, converted in
+ * registers) against fp32 query rows qf [h_kv][nq][d], d a multiple of 8, four rows at a time. */
+static inline __attribute__((always_inline)) void f32_dots8_as(
+    const struct rows *r, const float *qf, int nq, float *logits, int i0, int i1, const int bf16) {
+    const int d = r->d;
+    for (int i = i0; i < i1; i++) {
+        prefetch_rows(r, i, i1, bf16 ? 2 : 4);
+        for (int h = 0; h < r->h_kv; h++) {
+            const char *row = r->base + r->ids[i] * r->row_bytes + h * r->head_bytes;
+            const float *qh = qf + (int64_t)h * nq * d;
+            float *dots = logits + (int64_t)h * nq * r->ld + i;  /* query row t at t * ld */
+#define KEY8(x) (bf16 ? bf16x8((const uint16_t *)row + (x)) : _mm256_loadu_ps((const float *)row + (x)))
+            int t = 0;
+            for (; t + 4 <= nq; t += 4) {
+                const float *q0 = qh + t * d;
+                __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+                for (int x = 0; x < d; x += 8) {
+                    const __m256 k = KEY8(x);
+                    a0 = _mm256_fmadd_ps(k, _mm256_loadu_ps(q0 + x), a0);
+                    a1 = _mm256_fmadd_ps(k, _mm256_loadu_ps(q0 + d + x), a1);
+                    a2 = _mm256_fmadd_ps(k, _mm256_loadu_ps(q0 + 2 * d + x), a2);
+                    a3 = _mm256_fmadd_ps(k, _mm256_loadu_ps(q0 + 3 * d + x), a3);
+                }
+                float four[4];
+                _mm_storeu_ps(four, sum4_ps8(a0, a1, a2, a3));
+                for (int u = 0; u < 4; u++) dots[(int64_t)(t + u) * r->ld] = four[u];
+            }
+            for (; t < nq; t++) {
+                __m256 acc = _mm256_setzero_ps();
+                for (int x = 0; x < d; x += 8)
+                    acc = _mm256_fmadd_ps(KEY8(x), _mm256_loadu_ps(qh + t * d + x), acc);
+                dots[(int64_t)t * r->ld] = _mm_cvtss_f32(sum4_ps8(acc, acc, acc, acc));
+            }
+#undef KEY8
+        }
+    }
+}
+
+/* Whether f32_dots8 takes rows of dtype and head size d. */
+static inline int dots8_fit(int dtype, int d) { return d % 8 == 0 && (dtype == BF16 || dtype == F32); }
+
+static inline void f32_dots8(const struct rows *r, int dtype, const float *qf, int nq,
+                             float *logits, int i0, int i1) {
+    if (dtype == BF16) f32_dots8_as(r, qf, nq, logits, i0, i1, 1);
+    else f32_dots8_as(r, qf, nq, logits, i0, i1, 0);
 }
 #endif
 

@@ -8,7 +8,8 @@
  * their KV head, so each key row is read once for all of them. Online softmax over blocks of
  * rows with fp32 sums: no gather of the rows, no mask, no score matrix, and invisible rows are
  * never read. bf16 keys and queries multiply as they are (AVX512-BF16 dot products, as the
- * landmark scores); other dtypes are converted to fp32, and the values always are. */
+ * landmark scores); other dtypes, or AVX2 CPUs, convert to fp32 (on AVX2 the keys in registers),
+ * and the values always are. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -49,9 +50,12 @@ int decode_attention(const void *q, int q_dtype, const void *rows, int dtype, in
     if (d > MAX_HEAD_DIM || nq > MAX_QUERY_ROWS) return 1;
     const int64_t row_bytes = row_stride * (int64_t)element_size(dtype);
     const size_t q_bytes = element_size(q_dtype), o_bytes = element_size(out_dtype);
-    int dots16 = 0;  /* bf16 rows and queries: AVX512-BF16 dot products */
+    int dots16 = 0, dots8 = 0;  /* bf16 rows and queries: AVX512-BF16 dot products */
 #if defined(__AVX512BF16__)
     dots16 = dtype == BF16 && q_dtype == BF16;
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+    dots8 = !dots16 && dots8_fit(dtype, d);  /* else fp32 queries and rows in registers */
 #endif
     int status = 0;
 #pragma omp parallel reduction(| : status) if (batch * h_kv > 1)
@@ -97,6 +101,11 @@ int decode_attention(const void *q, int q_dtype, const void *rows, int dtype, in
 #if defined(__AVX512BF16__)
                     const struct rows block = {rows, key_ids, row_bytes, 0, n, 1, d, n};
                     bf16_dots(&block, queries, nq, p, 0, n);
+#endif
+                } else if (dots8) {
+#if defined(__AVX2__) && defined(__FMA__)
+                    const struct rows block = {rows, key_ids, row_bytes, 0, n, 1, d, n};
+                    f32_dots8(&block, dtype, qf, nq, p, 0, n);
 #endif
                 } else {
                     for (int i = 0; i < n; i++)

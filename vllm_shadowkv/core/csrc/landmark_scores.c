@@ -7,7 +7,7 @@
  * ids (the engine's pages). bf16 rows and queries multiply as they are (exact products, fp32
  * sums, as the reference's fp32 matmul of bf16 values): 16 rows at one stride (a page's) by
  * AMX, the other rows by AVX512-BF16 dot products; other dtypes, or CPUs without these, are
- * converted to fp32. Built with -O3 -ffast-math: the loops vectorise, the softmax's exp through
+ * converted to fp32 (on AVX2 in registers, cpu.h's f32_dots8). Built with -O3 -ffast-math: the loops vectorise, the softmax's exp through
  * glibc's libmvec. */
 #include <math.h>
 #include <stdlib.h>
@@ -16,10 +16,9 @@
 #include "sparse_step.h"
 
 
-static void f32_dots(const struct rows *r, int dtype, const void *const *queries, int q_dtype,
-                     int nq, float *logits) {
-    float *qf = malloc(sizeof(float) * r->h_kv * nq * r->d), row[MAX_HEAD_DIM];
-    for (int t = 0; t < r->h_kv * nq; t++) to_f32(queries[t], q_dtype, r->d, qf + t * r->d);
+/* Rows of any dtype against fp32 query rows qf [h_kv][nq][d]. */
+static void f32_dots(const struct rows *r, int dtype, const float *qf, int nq, float *logits) {
+    float row[MAX_HEAD_DIM];
     for (int i = 0; i < r->n; i++)
         for (int h = 0; h < r->h_kv; h++) {
             to_f32(r->base + r->ids[i] * r->row_bytes + h * r->head_bytes, dtype, r->d, row);
@@ -30,7 +29,6 @@ static void f32_dots(const struct rows *r, int dtype, const void *const *queries
                 logits[((int64_t)h * nq + t) * r->ld + i] = acc;
             }
         }
-    free(qf);
 }
 
 #if defined(__AMX_BF16__)
@@ -97,7 +95,17 @@ static void row_dots(const struct rows *r, int dtype, const void *const *queries
         return;
     }
 #endif
-    f32_dots(r, dtype, queries, q_dtype, nq, logits);
+    float *qf = malloc(sizeof(float) * r->h_kv * nq * r->d);
+    for (int t = 0; t < r->h_kv * nq; t++) to_f32(queries[t], q_dtype, r->d, qf + t * r->d);
+#if defined(__AVX2__) && defined(__FMA__)
+    if (dots8_fit(dtype, r->d)) {
+        f32_dots8(r, dtype, qf, nq, logits, 0, r->n);
+        free(qf);
+        return;
+    }
+#endif
+    f32_dots(r, dtype, qf, nq, logits);
+    free(qf);
 }
 
 /* Request b's query rows: h * nq + s * g + j is token s, group member j of KV head h. */
