@@ -144,32 +144,6 @@ static void group_scores_1bit(const struct format *f, const int32_t *codes, cons
     }
 }
 
-/* acc[r] += sum_i p[r * n + i] * value i, each 16 channels of a value dequantized in a
- * register once per four rows (value_group a multiple of 16: one scale per vector). */
-static void group_add_values(const struct format *f, const int32_t *codes, const float *v_scale,
-                             const float *v_zero, const float *p, int nq, float *acc) {
-    const int d = f->d, n = f->group, per_token = d / f->value_group;
-    for (int v = 0; v < f->vectors; v++) {
-        const int at = 16 * v / f->value_group;
-        for (int r = 0; r < nq; r += 4) {
-            float *out = acc + r * d + 16 * v;
-            __m512 a0 = _mm512_loadu_ps(out), a1 = _mm512_loadu_ps(out + d),
-                   a2 = _mm512_loadu_ps(out + 2 * d), a3 = _mm512_loadu_ps(out + 3 * d);
-            for (int i = 0; i < n; i++) {
-                const __m512 x = _mm512_fmadd_ps(
-                    codes16(f, codes + (int64_t)i * f->words, v),
-                    _mm512_set1_ps(v_scale[i * per_token + at]),
-                    _mm512_set1_ps(v_zero[i * per_token + at]));
-                a0 = _mm512_fmadd_ps(_mm512_set1_ps(p[r * n + i]), x, a0);
-                a1 = _mm512_fmadd_ps(_mm512_set1_ps(p[(r + 1) * n + i]), x, a1);
-                a2 = _mm512_fmadd_ps(_mm512_set1_ps(p[(r + 2) * n + i]), x, a2);
-                a3 = _mm512_fmadd_ps(_mm512_set1_ps(p[(r + 3) * n + i]), x, a3);
-            }
-            _mm512_storeu_ps(out, a0), _mm512_storeu_ps(out + d, a1);
-            _mm512_storeu_ps(out + 2 * d, a2), _mm512_storeu_ps(out + 3 * d, a3);
-        }
-    }
-}
 #elif defined(__AVX2__) && defined(__FMA__)
 /* Channels [8 v, 8 v + 8) of a token's codes as fp32: one word broadcast, a shift per lane. */
 static inline __m256 codes8(const struct format *f, const int32_t *words, int v) {
@@ -201,29 +175,51 @@ static void group_scores8(const struct format *f, const int32_t *codes, const fl
     }
 }
 
-/* acc[r] += sum_i p[r * n + i] * value i, each 8 channels of a value dequantized in a register
- * once per four rows (value_group a multiple of 8: one scale per vector). */
-static void group_add_values8(const struct format *f, const int32_t *codes, const float *v_scale,
-                              const float *v_zero, const float *p, int nq, float *acc) {
+#endif
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+/* A vector of VLEN fp32 lanes: AVX-512's 16 or AVX2's 8. */
+#if defined(__AVX512F__)
+#define VLEN 16
+typedef __m512 vfloat;
+#define vload _mm512_loadu_ps
+#define vstore _mm512_storeu_ps
+#define vset1 _mm512_set1_ps
+#define vfmadd _mm512_fmadd_ps
+#define vcodes codes16
+#else
+#define VLEN 8
+typedef __m256 vfloat;
+#define vload _mm256_loadu_ps
+#define vstore _mm256_storeu_ps
+#define vset1 _mm256_set1_ps
+#define vfmadd _mm256_fmadd_ps
+#define vcodes codes8
+#endif
+
+/* acc[r] += sum_i p[r * n + i] * value i, each VLEN channels of a value dequantized in a
+ * register once per four rows (value_group a multiple of VLEN: one scale per vector). */
+static void group_add_values(const struct format *f, const int32_t *codes, const float *v_scale,
+                             const float *v_zero, const float *p, int nq, float *acc) {
     const int d = f->d, n = f->group, per_token = d / f->value_group;
     for (int v = 0; v < f->vectors; v++) {
-        const int at = 8 * v / f->value_group;
+        const int at = VLEN * v / f->value_group;
         for (int r = 0; r < nq; r += 4) {
-            float *out = acc + r * d + 8 * v;
-            __m256 a0 = _mm256_loadu_ps(out), a1 = _mm256_loadu_ps(out + d),
-                   a2 = _mm256_loadu_ps(out + 2 * d), a3 = _mm256_loadu_ps(out + 3 * d);
+            float *out = acc + r * d + VLEN * v;
+            vfloat a0 = vload(out), a1 = vload(out + d),
+                   a2 = vload(out + 2 * d), a3 = vload(out + 3 * d);
             for (int i = 0; i < n; i++) {
-                const __m256 x = _mm256_fmadd_ps(
-                    codes8(f, codes + (int64_t)i * f->words, v),
-                    _mm256_set1_ps(v_scale[i * per_token + at]),
-                    _mm256_set1_ps(v_zero[i * per_token + at]));
-                a0 = _mm256_fmadd_ps(_mm256_set1_ps(p[r * n + i]), x, a0);
-                a1 = _mm256_fmadd_ps(_mm256_set1_ps(p[(r + 1) * n + i]), x, a1);
-                a2 = _mm256_fmadd_ps(_mm256_set1_ps(p[(r + 2) * n + i]), x, a2);
-                a3 = _mm256_fmadd_ps(_mm256_set1_ps(p[(r + 3) * n + i]), x, a3);
+                const vfloat x = vfmadd(
+                    vcodes(f, codes + (int64_t)i * f->words, v),
+                    vset1(v_scale[i * per_token + at]),
+                    vset1(v_zero[i * per_token + at]));
+                a0 = vfmadd(vset1(p[r * n + i]), x, a0);
+                a1 = vfmadd(vset1(p[(r + 1) * n + i]), x, a1);
+                a2 = vfmadd(vset1(p[(r + 2) * n + i]), x, a2);
+                a3 = vfmadd(vset1(p[(r + 3) * n + i]), x, a3);
             }
-            _mm256_storeu_ps(out, a0), _mm256_storeu_ps(out + d, a1);
-            _mm256_storeu_ps(out + 2 * d, a2), _mm256_storeu_ps(out + 3 * d, a3);
+            vstore(out, a0), vstore(out + d, a1);
+            vstore(out + 2 * d, a2), vstore(out + 3 * d, a3);
         }
     }
 }
@@ -389,12 +385,9 @@ int quant_attention(const void *q, int q_dtype, int batch, int s_q, int h_q, int
                 for (int i = nq * group; i < rows * group; i++) p[i] = 0.f;  /* padding */
                 to_f32(at(&fields[4], entry, h), param_dtype, group * per_token, v_scale);
                 to_f32(at(&fields[5], entry, h), param_dtype, group * per_token, v_zero);
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
                 if (vector_values)
                     group_add_values(&f, v_codes, v_scale, v_zero, p, rows, acc);
-#elif defined(__AVX2__) && defined(__FMA__)
-                if (vector_values)
-                    group_add_values8(&f, v_codes, v_scale, v_zero, p, rows, acc);
 #endif
                 if (!vector_values) {
                     group_values(&f, v_codes, v_scale, v_zero, kv);
