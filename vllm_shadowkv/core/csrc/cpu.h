@@ -274,7 +274,8 @@ static inline __attribute__((always_inline)) void f32_dots8_as(
             const char *row = r->base + r->ids[i] * r->row_bytes + h * r->head_bytes;
             const float *qh = qf + (int64_t)h * nq * d;
             float *dots = logits + (int64_t)h * nq * r->ld + i;  /* query row t at t * ld */
-#define KEY8(x) (bf16 ? bf16x8((const uint16_t *)row + (x)) : _mm256_loadu_ps((const float *)row + (x)))
+#define KEY8(x) \
+    (bf16 ? bf16x8((const uint16_t *)row + (x)) : _mm256_loadu_ps((const float *)row + (x)))
             int t = 0;
             for (; t + 4 <= nq; t += 4) {
                 const float *q0 = qh + t * d;
@@ -302,7 +303,9 @@ static inline __attribute__((always_inline)) void f32_dots8_as(
 }
 
 /* Whether f32_dots8 takes rows of dtype and head size d. */
-static inline int dots8_fit(int dtype, int d) { return d % 8 == 0 && (dtype == BF16 || dtype == F32); }
+static inline int dots8_fit(int dtype, int d) {
+    return d % 8 == 0 && (dtype == BF16 || dtype == F32);
+}
 
 static inline void f32_dots8(const struct rows *r, int dtype, const float *qf, int nq,
                              float *logits, int i0, int i1) {

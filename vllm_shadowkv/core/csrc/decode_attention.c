@@ -50,7 +50,7 @@ int decode_attention(const void *q, int q_dtype, const void *rows, int dtype, in
     if (d > MAX_HEAD_DIM || nq > MAX_QUERY_ROWS) return 1;
     const int64_t row_bytes = row_stride * (int64_t)element_size(dtype);
     const size_t q_bytes = element_size(q_dtype), o_bytes = element_size(out_dtype);
-    int dots16 = 0, dots8 = 0;  /* bf16 rows and queries: AVX512-BF16 dot products */
+    int dots16 = 0, dots8 = 0;  /* dots16: bf16 rows and queries, AVX512-BF16 dot products */
 #if defined(__AVX512BF16__)
     dots16 = dtype == BF16 && q_dtype == BF16;
 #endif

@@ -7,8 +7,8 @@
  * ids (the engine's pages). bf16 rows and queries multiply as they are (exact products, fp32
  * sums, as the reference's fp32 matmul of bf16 values): 16 rows at one stride (a page's) by
  * AMX, the other rows by AVX512-BF16 dot products; other dtypes, or CPUs without these, are
- * converted to fp32 (on AVX2 in registers, cpu.h's f32_dots8). Built with -O3 -ffast-math: the loops vectorise, the softmax's exp through
- * glibc's libmvec. */
+ * converted to fp32 (on AVX2 in registers, cpu.h's f32_dots8). Built with -O3 -ffast-math: the
+ * loops vectorise, the softmax's exp through glibc's libmvec. */
 #include <math.h>
 #include <stdlib.h>
 

@@ -8,8 +8,9 @@
  * added: with AVX-512 each 16 channels of a key or value (with AVX2, 8) are unpacked and
  * dequantized in a register (a broadcast word, a shift per lane) and used by four query rows at
  * once (AVX2 scores a key's codes against the query rows times the key scales, and adds the rows'
- * dot with the zeros); otherwise through a G x d fp32 tile. The dequantized cache never exists beyond one group, and there is
- * no score matrix. Sums and dequantization in fp32, as the reference. */
+ * dot with the zeros); otherwise through a G x d fp32 tile. The dequantized cache never exists
+ * beyond one group, and there is no score matrix. Sums and dequantization in fp32, as the
+ * reference. */
 #include <stdlib.h>
 
 #include "cpu.h"
@@ -68,7 +69,7 @@ static void set_up(struct format *f) {
 /* qs = each query row times the group's key scales, qz = each row . its key zeros: then
  * q . key = qs . codes + qz, and a key is never dequantized. */
 static inline void scale_queries(const float *qf, int rows, int d, const float *k_scale,
-                          const float *k_zero, float *qs, float *qz) {
+                                 const float *k_zero, float *qs, float *qz) {
     for (int r = 0; r < rows; r++) {
         float dot = 0.f;
         for (int c = 0; c < d; c++) {
