@@ -17,6 +17,27 @@
 
 #define NONE (-1e30f) /* a finite "no score": -ffast-math assumes no infinities */
 
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+/* A vector of VLEN fp32 lanes: AVX-512's 16 or AVX2's 8. */
+#if defined(__AVX512F__)
+#define VLEN 16
+typedef __m512 vfloat;
+#define vload _mm512_loadu_ps
+#define vstore _mm512_storeu_ps
+#define vset1 _mm512_set1_ps
+#define vfmadd _mm512_fmadd_ps
+#define vcodes codes16
+#else
+#define VLEN 8
+typedef __m256 vfloat;
+#define vload _mm256_loadu_ps
+#define vstore _mm256_storeu_ps
+#define vset1 _mm256_set1_ps
+#define vfmadd _mm256_fmadd_ps
+#define vcodes codes8
+#endif
+#endif
+
 /* A pool field: base, and the byte strides between pool entries and between KV heads. */
 struct field { const char *base; int64_t entry, head; };
 
@@ -26,13 +47,14 @@ static inline const char *at(const struct field *f, int64_t entry, int head) {
 
 struct format {
     int bits, group, d, value_group, words, param_dtype;
+#if defined(VLEN)
+    int vectors; /* d / VLEN where the vector path runs (d % VLEN == 0), else 0 */
+#endif
 #if defined(__AVX512F__)
-    int vectors; /* d / 16 where the vector path runs (d % 16 == 0), else 0 */
     /* per 16 channels v: the first word, each lane's word after it and its shift */
     int first_word[MAX_HEAD_DIM / 16];
     __m512i lane_word[MAX_HEAD_DIM / 16], lane_shift[MAX_HEAD_DIM / 16];
 #elif defined(__AVX2__) && defined(__FMA__)
-    int vectors; /* d / 8 where the vector path runs (d % 8 == 0), else 0 */
     /* per 8 channels v: their word (8 codes of at most 4 bits fit one) and each lane's shift */
     int first_word[MAX_HEAD_DIM / 8];
     __m256i lane_shift[MAX_HEAD_DIM / 8];
@@ -40,9 +62,11 @@ struct format {
 };
 
 static void set_up(struct format *f) {
-#if defined(__AVX512F__)
+#if defined(VLEN)
     const int per_word = 32 / f->bits;
-    f->vectors = f->d % 16 == 0 ? f->d / 16 : 0;
+    f->vectors = f->d % VLEN == 0 ? f->d / VLEN : 0;
+#endif
+#if defined(__AVX512F__)
     for (int v = 0; v < f->vectors; v++) {
         int32_t word[16], shift[16];
         f->first_word[v] = 16 * v / per_word;
@@ -55,8 +79,6 @@ static void set_up(struct format *f) {
         f->lane_shift[v] = _mm512_loadu_si512(shift);
     }
 #elif defined(__AVX2__) && defined(__FMA__)
-    const int per_word = 32 / f->bits;
-    f->vectors = f->d % 8 == 0 ? f->d / 8 : 0;
     for (int v = 0; v < f->vectors; v++) {
         int32_t shift[8];
         f->first_word[v] = 8 * v / per_word;
@@ -178,25 +200,7 @@ static void group_scores8(const struct format *f, const int32_t *codes, const fl
 
 #endif
 
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-/* A vector of VLEN fp32 lanes: AVX-512's 16 or AVX2's 8. */
-#if defined(__AVX512F__)
-#define VLEN 16
-typedef __m512 vfloat;
-#define vload _mm512_loadu_ps
-#define vstore _mm512_storeu_ps
-#define vset1 _mm512_set1_ps
-#define vfmadd _mm512_fmadd_ps
-#define vcodes codes16
-#else
-#define VLEN 8
-typedef __m256 vfloat;
-#define vload _mm256_loadu_ps
-#define vstore _mm256_storeu_ps
-#define vset1 _mm256_set1_ps
-#define vfmadd _mm256_fmadd_ps
-#define vcodes codes8
-#endif
+#if defined(VLEN)
 
 /* acc[r] += sum_i p[r * n + i] * value i, each VLEN channels of a value dequantized in a
  * register once per four rows (value_group a multiple of VLEN: one scale per vector). */
@@ -312,12 +316,13 @@ int quant_attention(const void *q, int q_dtype, int batch, int s_q, int h_q, int
         fields[i] = (struct field){bases[i], strides[2 * i], strides[2 * i + 1]};
     const size_t q_bytes = element_size(q_dtype), o_bytes = element_size(out_dtype);
     int vector_keys = 0, vector_values = 0;
+#if defined(VLEN)
+    vector_values = f.vectors && value_group % VLEN == 0;
+#endif
 #if defined(__AVX512F__)
     vector_keys = f.vectors && d <= 256;  /* a key's vectors fit in registers */
-    vector_values = f.vectors && value_group % 16 == 0;
 #elif defined(__AVX2__) && defined(__FMA__)
     vector_keys = f.vectors != 0;
-    vector_values = f.vectors && value_group % 8 == 0;
 #endif
     /* rows padded to a multiple of 4 (zero queries and weights) for the vector paths */
     const int rows = (nq + 3) / 4 * 4, per_token = d / value_group;
@@ -386,7 +391,7 @@ int quant_attention(const void *q, int q_dtype, int batch, int s_q, int h_q, int
                 for (int i = nq * group; i < rows * group; i++) p[i] = 0.f;  /* padding */
                 to_f32(at(&fields[4], entry, h), param_dtype, group * per_token, v_scale);
                 to_f32(at(&fields[5], entry, h), param_dtype, group * per_token, v_zero);
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#if defined(VLEN)
                 if (vector_values)
                     group_add_values(&f, v_codes, v_scale, v_zero, p, rows, acc);
 #endif
