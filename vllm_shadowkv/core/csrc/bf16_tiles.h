@@ -1,14 +1,61 @@
-/* What the bf16 prefill kernels share (prefill_attention.c, column_sums.c's column_sums_lse):
- * one KV head's keys and values packed per block of KEYS keys into AVX512-BF16's pair layouts,
- * and the S = Q K^T micro-tile of ROW_TILE query rows x 32 keys. Without AVX512-BF16 (AVX2
- * CPUs) the same in fp32: keys and values converted once, an S tile of S_ROWS rows x 16 keys. */
+/* What the prefill kernels share (prefill_attention.c, column_sums.c's column_sums_lse), so
+ * that each has one driver for both ISAs:
+ * - one KV head's keys and values packed per block of KEYS keys (pack_keys, pack_values) and the
+ *   block's S = Q K^T (block_scores, in micro-tiles of ROW_TILE query rows);
+ * - the products' inputs (`operand`: query rows and softmax weights) and the softmax's vectors
+ *   (`lanes`, LANES fp32 lanes, and their masks).
+ * With AVX512-BF16 the inputs stay bf16, packed into the dot product's pair layouts, on 16
+ * lanes; on AVX2 CPUs the same in fp32 on 8 lanes: keys and values converted once. */
 #pragma once
 #include "cpu.h"
 
-#define KEYS 128    /* keys per block */
-#define ROW_TILE 8  /* query rows per S micro-tile (8 x 32 keys: 16 accumulators) */
+#define KEYS 128 /* keys per block */
+
+#if defined(__AVX512BF16__) || (defined(__AVX2__) && defined(__FMA__))
+#define PREFILL_TILES /* this build has the kernels */
+#endif
 
 #if defined(__AVX512BF16__)
+#define ROW_TILE 8 /* query rows per S micro-tile (8 x 32 keys: 16 accumulators) */
+#define PACK 2     /* bf16 values per packed word: a pair */
+typedef uint16_t operand; /* bf16 */
+typedef uint32_t packed;
+
+#define LANES 16
+typedef __m512 lanes;
+typedef __mmask16 lane_mask;
+#define lanes_load _mm512_loadu_ps
+#define lanes_store _mm512_storeu_ps
+#define lanes_set1 _mm512_set1_ps
+#define lanes_zero _mm512_setzero_ps
+#define lanes_add _mm512_add_ps
+#define lanes_sub _mm512_sub_ps
+#define lanes_mul _mm512_mul_ps
+#define lanes_fmsub _mm512_fmsub_ps
+#define lanes_exp2 exp2_ps
+#define lanes_keep _mm512_maskz_mov_ps /* (mask, x): x where the mask is set, else 0 */
+#define lanes_max_where(top, mask, x) _mm512_mask_max_ps(top, mask, top, x)
+#define lanes_max_of _mm512_reduce_max_ps
+#define lanes_sum_of _mm512_reduce_add_ps
+
+/* the first n lanes (none for n <= 0) */
+static inline lane_mask first_lanes(int n) {
+    return n >= 16 ? 0xFFFF : n > 0 ? (__mmask16)((1u << n) - 1) : 0;
+}
+
+static inline void store_first_lanes(float *p, int n, lanes x) {
+    _mm512_mask_storeu_ps(p, first_lanes(n), x);
+}
+
+/* softmax weights, rounded to bf16 as FlashAttention rounds P */
+static inline void store_weights(uint16_t *p, lanes w) {
+    _mm256_storeu_si256((__m256i *)p, (__m256i)_mm512_cvtneps_pbh(w));
+}
+
+static inline void load_operands(uint16_t *row, const uint16_t *src, int d) {
+    memcpy(row, src, sizeof(uint16_t) * d);
+}
+
 /* One key block of one KV head, keys key0 .. key0 + KEYS (zero past s_len), in the dot
  * product's pair layout for S = Q K^T: [KEYS / 16][d / 2][16 keys][2] (a pair of channels of 16
  * keys per vector, gathered). Words are pairs of bf16; k: the head's first key, k_stride
@@ -63,14 +110,71 @@ static inline void s_tile(const uint16_t *q, int d, const uint32_t *kp, float *s
         _mm512_storeu_ps(s + r * ld + 16, acc[r][1]);
     }
 }
+
+/* s[r][0, keys) (KEYS apart) = q rows 0..rows-1 (a multiple of ROW_TILE) . the block's keys
+ * (kp: its pack_keys), a row tile's keys at a time */
+static inline void block_scores(const uint16_t *q, int d, int rows, const uint32_t *kp, int keys,
+                                float *s) {
+    for (int r0 = 0; r0 < rows; r0 += ROW_TILE)
+        for (int kg = 0; kg < KEYS / 16 && kg * 16 < keys; kg += 2)
+            s_tile(q + (int64_t)r0 * d, d, kp + (int64_t)kg * 16 * d / 2, s + r0 * KEYS + kg * 16,
+                   KEYS);
+}
 #endif
 
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512BF16__)
-#define S_ROWS 6 /* query rows of s_tile_f32 */
+#define ROW_TILE 6 /* query rows per S micro-tile (6 x 16 keys: 12 accumulators) */
+#define PACK 1
+typedef float operand;
+typedef float packed;
+
+#define LANES 8
+typedef __m256 lanes;
+typedef __m256 lane_mask; /* all bits set in a lane that is in */
+#define lanes_load _mm256_loadu_ps
+#define lanes_store _mm256_storeu_ps
+#define lanes_set1 _mm256_set1_ps
+#define lanes_zero _mm256_setzero_ps
+#define lanes_add _mm256_add_ps
+#define lanes_sub _mm256_sub_ps
+#define lanes_mul _mm256_mul_ps
+#define lanes_fmsub _mm256_fmsub_ps
+#define lanes_exp2 exp2_ps8
+#define lanes_keep _mm256_and_ps
+#define lanes_max_where(top, mask, x) _mm256_max_ps(top, _mm256_blendv_ps(top, x, mask))
+
+static inline float lanes_max_of(__m256 x) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    return _mm_cvtss_f32(m);
+}
+
+static inline float lanes_sum_of(__m256 x) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+static inline lane_mask first_lanes(int n) {
+    return _mm256_castsi256_ps(
+        _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+}
+
+static inline void store_first_lanes(float *p, int n, lanes x) {
+    _mm256_maskstore_ps(p, _mm256_castps_si256(first_lanes(n)), x);
+}
+
+static inline void store_weights(float *p, lanes w) { _mm256_storeu_ps(p, w); }
+
+static inline void load_operands(float *row, const uint16_t *src, int d) {
+    to_f32(src, BF16, d, row);
+}
 
 /* the head's keys key0 .. key0 + KEYS (zero past s_len) -> kp [KEYS / 8][d][8] */
-static inline void pack_keys_f32(const uint16_t *k, int64_t k_stride, int s_len, int d,
-                                 int key0, float *kp) {
+static inline void pack_keys(const uint16_t *k, int64_t k_stride, int s_len, int d, int key0,
+                             float *kp) {
     for (int j = 0; j < KEYS; j++) {
         float *dst = kp + (int64_t)(j / 8) * d * 8 + j % 8;
         if (key0 + j < s_len) {
@@ -88,8 +192,8 @@ static inline void pack_keys_f32(const uint16_t *k, int64_t k_stride, int s_len,
 /* the head's values key0 .. key0 + KEYS (zero past s_len) -> vp in slices of 32 channels (the
  * last one 16 where d is an odd multiple of 16), each [KEYS][its width]: a PV tile reads one
  * run of memory */
-static inline void pack_values_f32(const uint16_t *v, int64_t v_stride, int s_len, int d,
-                                   int key0, float *vp) {
+static inline void pack_values(const uint16_t *v, int64_t v_stride, int s_len, int d, int key0,
+                               float *vp) {
     for (int x0 = 0; x0 < d; x0 += 32) {
         const int width = d - x0 < 32 ? d - x0 : 32;
         float *slice = vp + (int64_t)KEYS * x0;
@@ -107,7 +211,7 @@ static inline void pack_values_f32(const uint16_t *v, int64_t v_stride, int s_le
 
 /* s[r][0, 16) = rows 0..5 of q (fp32 rows of d) . the 16 keys of kp's two groups. The sums are
  * named variables: held in an array, gcc stored all twelve to the stack on every channel. */
-static inline void s_tile_f32(const float *q, int d, const float *kp, float *s, int ld) {
+static inline void s_tile(const float *q, int d, const float *kp, float *s, int ld) {
 #define ROW_SUMS(r) __m256 a##r##0 = _mm256_setzero_ps(), a##r##1 = _mm256_setzero_ps()
     ROW_SUMS(0); ROW_SUMS(1); ROW_SUMS(2); ROW_SUMS(3); ROW_SUMS(4); ROW_SUMS(5);
 #undef ROW_SUMS
@@ -127,5 +231,15 @@ static inline void s_tile_f32(const float *q, int d, const float *kp, float *s, 
     _mm256_storeu_ps(s + (r) * ld, a##r##0), _mm256_storeu_ps(s + (r) * ld + 8, a##r##1)
     STORE(0); STORE(1); STORE(2); STORE(3); STORE(4); STORE(5);
 #undef STORE
+}
+
+/* block_scores above, keys outer: a tile's 16 keys (8 KiB at d = 128) stay in L1 while every
+ * row tile passes */
+static inline void block_scores(const float *q, int d, int rows, const float *kp, int keys,
+                                float *s) {
+    for (int kt = 0; kt < KEYS / 16 && kt * 16 < keys; kt++)
+        for (int r0 = 0; r0 < rows; r0 += ROW_TILE)
+            s_tile(q + (int64_t)r0 * d, d, kp + (int64_t)kt * 16 * d, s + r0 * KEYS + kt * 16,
+                   KEYS);
 }
 #endif

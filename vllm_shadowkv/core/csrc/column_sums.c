@@ -12,8 +12,8 @@
  * registers while every row block of the panel passes under them.
  *
  * Where the chunk's attention ran in C (prefill_attention.c) it gave each row's LSE, and
- * column_sums_lse needs only the second pass, on AVX512-BF16 dot products (no AMX tiles), or
- * fp32 FMAs on AVX2. */
+ * column_sums_lse needs only the second pass, on bf16_tiles.h's S tiles (AVX512-BF16 dot
+ * products, no AMX tiles, or fp32 FMAs on AVX2). */
 #include <stdlib.h>
 
 #include "bf16_tiles.h"
@@ -210,31 +210,29 @@ int column_sums(const void *q, const void *k, int64_t k_stride, int n, int h_q, 
 int column_sums_lse(const uint16_t *q, int64_t q_stride, const uint16_t *k, int64_t k_stride,
                     int n, int length, int h_q, int h_kv, int d, float scale, const float *lse,
                     float *total) {
-#if defined(__AVX512BF16__) || (defined(__AVX2__) && defined(__FMA__))
+#if defined(PREFILL_TILES)
     if (d % 16 || d > MAX_HEAD_DIM || h_q % h_kv || length < n) return 1;
-#endif
-#if defined(__AVX512BF16__)
     const int g = h_q / h_kv, offset = length - n, rows = n * g;
     const int rows_pad = (rows + ROW_TILE - 1) / ROW_TILE * ROW_TILE;
     const int key_blocks = (length + KEYS - 1) / KEYS;
     const float c = scale * 1.44269504f; /* logits and LSE in log2 units */
-    uint16_t *qp = aligned_alloc(64, sizeof(uint16_t) * rows_pad * d);
+    operand *qp = aligned_alloc(64, sizeof(operand) * rows_pad * d);
     float *lse2 = malloc(sizeof(float) * rows_pad);
     int status = !(qp && lse2);
     for (int h = 0; h < h_kv && !status; h++) {
         /* the head's rows, r = t g + j (query head h g + j), as prefill_attention orders them */
         for (int r = 0; r < rows_pad; r++) {
-            uint16_t *row = qp + (int64_t)r * d;
+            operand *row = qp + (int64_t)r * d;
             if (r < rows)
-                memcpy(row, q + (int64_t)(r / g) * q_stride + (int64_t)(h * g + r % g) * d,
-                       sizeof(uint16_t) * d);
+                load_operands(row, q + (int64_t)(r / g) * q_stride + (int64_t)(h * g + r % g) * d,
+                              d);
             else
-                memset(row, 0, sizeof(uint16_t) * d);
+                memset(row, 0, sizeof(operand) * d);
             lse2[r] = r < rows ? lse[(int64_t)(h * g + r % g) * n + r / g] * 1.44269504f : 0.f;
         }
 #pragma omp parallel reduction(| : status) if (key_blocks > 1)
         {
-            uint32_t *kp = aligned_alloc(64, sizeof(uint32_t) * KEYS * d / 2);
+            packed *kp = aligned_alloc(64, sizeof(packed) * KEYS * d / PACK);
             float *sb = aligned_alloc(64, sizeof(float) * ROW_TILE * KEYS);
             status = !(kp && sb);
 #pragma omp for schedule(dynamic)
@@ -242,99 +240,27 @@ int column_sums_lse(const uint16_t *q, int64_t q_stride, const uint16_t *k, int6
                 if (status) continue;
                 const int key0 = kb * KEYS, keys = length - key0 < KEYS ? length - key0 : KEYS;
                 pack_keys(k + (int64_t)h * d, k_stride, length, d, key0, kp);
-                __m512 column[KEYS / 16];
-                for (int v = 0; v < KEYS / 16; v++) column[v] = _mm512_setzero_ps();
+                lanes column[KEYS / LANES];
+                for (int v = 0; v < KEYS / LANES; v++) column[v] = lanes_zero();
                 /* the first row that sees a key of the block: token key0 - offset */
                 const int first = key0 > offset ? (key0 - offset) * g / ROW_TILE * ROW_TILE : 0;
                 for (int r0 = first; r0 < rows; r0 += ROW_TILE) {
-                    for (int kg = 0; kg < KEYS / 16 && kg * 16 < keys; kg += 2)
-                        s_tile(qp + (int64_t)r0 * d, d, kp + (int64_t)kg * 16 * d / 2,
-                               sb + kg * 16, KEYS);
+                    block_scores(qp + (int64_t)r0 * d, d, ROW_TILE, kp, keys, sb);
                     for (int r = r0; r < r0 + ROW_TILE && r < rows; r++) {
                         int seen = offset + r / g + 1 - key0; /* keys of the block it sees */
                         seen = seen < keys ? seen : keys;
                         const float *sr = sb + (r - r0) * KEYS;
-                        for (int v = 0; v < KEYS / 16 && 16 * v < seen; v++) {
-                            const int left = seen - 16 * v;
-                            const __mmask16 in =
-                                left >= 16 ? 0xFFFF : (__mmask16)((1u << left) - 1);
-                            const __m512 t = _mm512_fmsub_ps(_mm512_loadu_ps(sr + 16 * v),
-                                                             _mm512_set1_ps(c),
-                                                             _mm512_set1_ps(lse2[r]));
-                            column[v] = _mm512_add_ps(column[v],
-                                                      _mm512_maskz_mov_ps(in, exp2_ps(t)));
+                        for (int v = 0; v < KEYS / LANES && LANES * v < seen; v++) {
+                            const lanes t = lanes_fmsub(lanes_load(sr + LANES * v), lanes_set1(c),
+                                                        lanes_set1(lse2[r]));
+                            column[v] = lanes_add(
+                                column[v], lanes_keep(first_lanes(seen - LANES * v), lanes_exp2(t)));
                         }
                     }
                 }
                 float *out = total + (int64_t)h * length + key0;
-                for (int v = 0; v < KEYS / 16 && 16 * v < keys; v++) {
-                    const int left = keys - 16 * v;
-                    _mm512_mask_storeu_ps(out + 16 * v,
-                                          left >= 16 ? 0xFFFF : (__mmask16)((1u << left) - 1),
-                                          column[v]);
-                }
-            }
-            free(kp), free(sb);
-        }
-    }
-    free(qp), free(lse2);
-    return status ? 2 : 0;
-#elif defined(__AVX2__) && defined(__FMA__)
-    /* the same on bf16_tiles.h's fp32 tiles (AVX2 CPUs) */
-    const int g = h_q / h_kv, offset = length - n, rows = n * g;
-    const int rows_pad = (rows + S_ROWS - 1) / S_ROWS * S_ROWS;
-    const int key_blocks = (length + KEYS - 1) / KEYS;
-    const float c = scale * 1.44269504f;
-    float *qp = aligned_alloc(64, sizeof(float) * rows_pad * d);
-    float *lse2 = malloc(sizeof(float) * rows_pad);
-    int status = !(qp && lse2);
-    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    for (int h = 0; h < h_kv && !status; h++) {
-        for (int r = 0; r < rows_pad; r++) {
-            float *row = qp + (int64_t)r * d;
-            if (r < rows)
-                to_f32(q + (int64_t)(r / g) * q_stride + (int64_t)(h * g + r % g) * d, BF16, d,
-                       row);
-            else
-                memset(row, 0, sizeof(float) * d);
-            lse2[r] = r < rows ? lse[(int64_t)(h * g + r % g) * n + r / g] * 1.44269504f : 0.f;
-        }
-#pragma omp parallel reduction(| : status) if (key_blocks > 1)
-        {
-            float *kp = aligned_alloc(64, sizeof(float) * KEYS * d);
-            float *sb = aligned_alloc(64, sizeof(float) * S_ROWS * KEYS);
-            status = !(kp && sb);
-#pragma omp for schedule(dynamic)
-            for (int kb = 0; kb < key_blocks; kb++) {
-                if (status) continue;
-                const int key0 = kb * KEYS, keys = length - key0 < KEYS ? length - key0 : KEYS;
-                pack_keys_f32(k + (int64_t)h * d, k_stride, length, d, key0, kp);
-                __m256 column[KEYS / 8];
-                for (int u = 0; u < KEYS / 8; u++) column[u] = _mm256_setzero_ps();
-                const int first = key0 > offset ? (key0 - offset) * g / S_ROWS * S_ROWS : 0;
-                for (int r0 = first; r0 < rows; r0 += S_ROWS) {
-                    for (int kt = 0; kt < KEYS / 16 && kt * 16 < keys; kt++)
-                        s_tile_f32(qp + (int64_t)r0 * d, d, kp + (int64_t)kt * 16 * d,
-                                   sb + kt * 16, KEYS);
-                    for (int r = r0; r < r0 + S_ROWS && r < rows; r++) {
-                        int seen = offset + r / g + 1 - key0;
-                        seen = seen < keys ? seen : keys;
-                        const float *sr = sb + (r - r0) * KEYS;
-                        for (int u = 0; u < KEYS / 8 && 8 * u < seen; u++) {
-                            const __m256 in = _mm256_castsi256_ps(
-                                _mm256_cmpgt_epi32(_mm256_set1_epi32(seen - 8 * u), lane));
-                            const __m256 t = _mm256_fmsub_ps(_mm256_loadu_ps(sr + 8 * u),
-                                                             _mm256_set1_ps(c),
-                                                             _mm256_set1_ps(lse2[r]));
-                            column[u] = _mm256_add_ps(column[u], _mm256_and_ps(in, exp2_ps8(t)));
-                        }
-                    }
-                }
-                float *out = total + (int64_t)h * length + key0;
-                for (int u = 0; u < KEYS / 8 && 8 * u < keys; u++)
-                    _mm256_maskstore_ps(out + 8 * u,
-                                        _mm256_cmpgt_epi32(_mm256_set1_epi32(keys - 8 * u), lane),
-                                        column[u]);
+                for (int v = 0; v < KEYS / LANES && LANES * v < keys; v++)
+                    store_first_lanes(out + LANES * v, keys - LANES * v, column[v]);
             }
             free(kp), free(sb);
         }
