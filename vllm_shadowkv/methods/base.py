@@ -83,9 +83,7 @@ class EngineSettings:
         """Range checks that need no model; raise ``SettingsError`` naming the key."""
         at_least(self, "min_sparse_len", 1)
         at_least(self, "max_staging_requests", 1)
-        if self.kernels not in KERNEL_MODES:
-            raise SettingsError(f"{self.key}.kernels must be one of "
-                                f"{', '.join(map(repr, KERNEL_MODES))}, got {self.kernels!r}")
+        one_of(self, "kernels", KERNEL_MODES)
         if self.value_store_gib is not None and not self.value_store_gib > 0:
             raise SettingsError(f"{self.key}.value_store_gib must be > 0 (GiB), got "
                                 f"{self.value_store_gib}")
@@ -122,6 +120,20 @@ def at_least(settings: EngineSettings, name: str, low: int) -> None:
     value = getattr(settings, name)
     if value < low:
         raise SettingsError(f"{settings.key}.{name} must be >= {low}, got {value}")
+
+
+def one_of(settings: EngineSettings, name: str, allowed: tuple, note: str = "") -> None:
+    value = getattr(settings, name)
+    if value not in allowed:
+        raise SettingsError(f"{settings.key}.{name} must be one of "
+                            f"{', '.join(map(repr, allowed))}{note}, got {value!r}")
+
+
+def multiple_of(settings: EngineSettings, name: str, unit: str, why: str) -> None:
+    value, step = getattr(settings, name), getattr(settings, unit)
+    if value % step:
+        raise SettingsError(f"{settings.key}.{name} ({value}) must be a multiple of {unit} "
+                            f"({step}): {why}")
 
 
 @dataclass

@@ -12,7 +12,14 @@ from typing import ClassVar
 
 from vllm_shadowkv.core.heavy_hitters import layer_budgets
 from vllm_shadowkv.core.kivi import KiviFormat
-from vllm_shadowkv.methods.base import EngineSettings, KVShapes, SettingsError, at_least
+from vllm_shadowkv.methods.base import (
+    EngineSettings,
+    KVShapes,
+    SettingsError,
+    at_least,
+    one_of,
+    multiple_of,
+)
 
 EXACT_BITS = 16  # "quantization off": kept tokens and folded generated tokens stay 16-bit
 BITS = (2, 4, EXACT_BITS)
@@ -55,16 +62,12 @@ class MiniKVSettings(EngineSettings):
         if self.pool % 2 == 0:
             raise SettingsError(f"minikv.pool must be odd (a window centred on the token), "
                                 f"got {self.pool}")
-        if self.bits not in BITS:
-            raise SettingsError(f"minikv.bits must be one of {', '.join(map(str, BITS))} "
-                                f"({EXACT_BITS}: no quantization), got {self.bits}")
+        one_of(self, "bits", BITS, f" ({EXACT_BITS}: no quantization)")
         at_least(self, "group_size", 1)
         at_least(self, "score_window", 0)
         at_least(self, "residual", self.group_size)
-        if self.residual % self.group_size:
-            raise SettingsError(
-                f"minikv.residual ({self.residual}) must be a multiple of group_size "
-                f"({self.group_size}): generated tokens are quantized in whole groups")
+        multiple_of(self, "residual", "group_size",
+                    "generated tokens are quantized in whole groups")
         for name in ("heavy_ratio", "recent_ratio"):
             value = getattr(self, name)
             if not 0.0 <= value <= 1.0:
@@ -73,10 +76,7 @@ class MiniKVSettings(EngineSettings):
         if self.heavy_ratio + self.recent_ratio <= 0.0:
             raise SettingsError("minikv.heavy_ratio + minikv.recent_ratio must be > 0: a "
                                 "compressed prompt keeps some tokens")
-        if self.layer_policy not in LAYER_POLICIES:
-            raise SettingsError(
-                f"minikv.layer_policy must be one of {', '.join(map(repr, LAYER_POLICIES))}, "
-                f"got {self.layer_policy!r}")
+        one_of(self, "layer_policy", LAYER_POLICIES)
 
     def check_engine(self, shapes: KVShapes) -> None:
         d = shapes.head_size

@@ -7,7 +7,14 @@ from dataclasses import dataclass, replace
 from typing import ClassVar
 
 from vllm_shadowkv.core.params import SELECTIONS, ShadowKVParams
-from vllm_shadowkv.methods.base import EngineSettings, KVShapes, SettingsError, at_least
+from vllm_shadowkv.methods.base import (
+    EngineSettings,
+    KVShapes,
+    SettingsError,
+    at_least,
+    one_of,
+    multiple_of,
+)
 
 # The paper's rank: 160 of Llama-3.1-8B's 1024 key channels (8 KV heads x 128).
 PAPER_RANK, PAPER_KEY_WIDTH = 160, 1024
@@ -64,14 +71,8 @@ class ShadowKVSettings(EngineSettings):
             raise SettingsError(
                 f"shadowkv.outlier_ratio must be in (0, 1] (a share of each prompt, the paper's "
                 f"48 chunks of 8 tokens at 128K are 0.0029) or unset, got {self.outlier_ratio}")
-        if self.sparse_budget % self.chunk_size:
-            raise SettingsError(
-                f"shadowkv.sparse_budget ({self.sparse_budget}) must be a multiple of "
-                f"chunk_size ({self.chunk_size}): tokens are selected in whole chunks")
-        if self.selection not in SELECTIONS:
-            raise SettingsError(
-                f"shadowkv.selection must be one of {', '.join(map(repr, SELECTIONS))}, "
-                f"got {self.selection!r}")
+        multiple_of(self, "sparse_budget", "chunk_size", "tokens are selected in whole chunks")
+        one_of(self, "selection", SELECTIONS)
 
     def check_engine(self, shapes: KVShapes) -> None:
         if shapes.block_size % self.chunk_size:

@@ -10,7 +10,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from vllm_shadowkv.methods.base import EngineSettings, KVShapes, SettingsError, at_least
+from vllm_shadowkv.methods.base import (
+    EngineSettings,
+    KVShapes,
+    SettingsError,
+    at_least,
+    one_of,
+    multiple_of,
+)
 from vllm_shadowkv.methods.minikv.settings import EveryTokenQuantized
 from vllm_shadowkv.methods.specache.guess import ACCEPTING_PROPOSER, PROPOSER
 
@@ -74,21 +81,13 @@ class SpeCacheSettings(EveryTokenQuantized, EngineSettings):
 
     def check(self) -> None:
         super().check()
-        for name, allowed in (("bits", BITS), ("group_size", GROUP_SIZES)):
-            value = getattr(self, name)
-            if value not in allowed:
-                raise SettingsError(f"specache.{name} must be one of "
-                                    f"{', '.join(map(str, allowed))}, got {value}")
+        one_of(self, "bits", BITS)
+        one_of(self, "group_size", GROUP_SIZES)
         at_least(self, "residual", self.group_size)
-        if self.residual % self.group_size:
-            raise SettingsError(
-                f"specache.residual ({self.residual}) must be a multiple of group_size "
-                f"({self.group_size}): tokens are quantized in whole groups")
+        multiple_of(self, "residual", "group_size", "tokens are quantized in whole groups")
         at_least(self, "top_k", 0)
         at_least(self, "guess_lookup", 0)
-        if self.prefetch not in PREFETCH_MODES:
-            raise SettingsError(f"specache.prefetch must be one of "
-                                f"{', '.join(map(repr, PREFETCH_MODES))}, got {self.prefetch!r}")
+        one_of(self, "prefetch", PREFETCH_MODES)
         if not isinstance(self.verify_guess, bool) and self.verify_guess != "miss":
             raise SettingsError(f"specache.verify_guess must be one of false, true, 'miss', "
                                 f"got {self.verify_guess!r}")

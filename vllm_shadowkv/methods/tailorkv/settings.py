@@ -12,7 +12,14 @@ import math
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
-from vllm_shadowkv.methods.base import EngineSettings, KVShapes, SettingsError, at_least
+from vllm_shadowkv.methods.base import (
+    EngineSettings,
+    KVShapes,
+    SettingsError,
+    at_least,
+    one_of,
+    multiple_of,
+)
 from vllm_shadowkv.methods.minikv.settings import EveryTokenQuantized
 from vllm_shadowkv.methods.tailorkv.layers import auto_q_layers
 
@@ -72,17 +79,10 @@ class TailorKVSettings(EveryTokenQuantized, EngineSettings):
                                 f"or {AUTO!r}, got {layers!r}")
         elif len(set(layers)) != len(layers):
             raise SettingsError(f"tailorkv.q_layers lists a layer twice: {list(layers)}")
-        if self.bits not in BITS:
-            raise SettingsError(f"tailorkv.bits must be one of {', '.join(map(str, BITS))}, "
-                                f"got {self.bits}")
-        if self.group_size not in GROUP_SIZES:
-            raise SettingsError(f"tailorkv.group_size must be one of "
-                                f"{', '.join(map(str, GROUP_SIZES))}, got {self.group_size}")
+        one_of(self, "bits", BITS)
+        one_of(self, "group_size", GROUP_SIZES)
         at_least(self, "residual", self.group_size)
-        if self.residual % self.group_size:
-            raise SettingsError(
-                f"tailorkv.residual ({self.residual}) must be a multiple of group_size "
-                f"({self.group_size}): tokens are quantized in whole groups")
+        multiple_of(self, "residual", "group_size", "tokens are quantized in whole groups")
         at_least(self, "sink", 0)
         at_least(self, "recent", 0)
         at_least(self, "top_k", 1)
@@ -90,10 +90,7 @@ class TailorKVSettings(EveryTokenQuantized, EngineSettings):
             raise SettingsError(f"tailorkv.top_k_ratio must be in (0, 1] (a share of the "
                                 f"prompt) or unset, got {self.top_k_ratio}")
         at_least(self, "critical_channels", 1)
-        if self.channel_query not in CHANNEL_QUERIES:
-            raise SettingsError(
-                f"tailorkv.channel_query must be one of "
-                f"{', '.join(map(repr, CHANNEL_QUERIES))}, got {self.channel_query!r}")
+        one_of(self, "channel_query", CHANNEL_QUERIES)
 
 
     def check_engine(self, shapes: KVShapes) -> None:
