@@ -172,20 +172,19 @@ static inline __m128 sum4_ps8(__m256 a, __m256 b, __m256 c, __m256 d) {
 }
 #endif
 
-#if defined(__AVX512F__)
 /* 2^t: 2^n x 2^f with n = round(t), f in [-1/2, 1/2], 2^f by its Taylor polynomial of degree 6
- * (relative error below 2e-7); t clamped at -126, no denormals. */
+ * (relative error below 2e-7; coefficients highest first, evaluated by Horner's rule); t clamped
+ * at -126, no denormals. */
+static const float EXP2_TAYLOR[7] = {1.5403530e-4f, 1.3333558e-3f, 9.6181291e-3f, 5.5504109e-2f,
+                                     2.4022651e-1f, 6.9314718e-1f, 1.f};
+
+#if defined(__AVX512F__)
 static inline __m512 exp2_ps(__m512 t) {
     t = _mm512_max_ps(t, _mm512_set1_ps(-126.f));
     const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m512 f = _mm512_sub_ps(t, n);
-    __m512 p = _mm512_set1_ps(1.5403530e-4f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+    __m512 p = _mm512_set1_ps(EXP2_TAYLOR[0]);
+    for (int i = 1; i < 7; i++) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP2_TAYLOR[i]));
     return _mm512_scalef_ps(p, n);
 }
 #endif
@@ -196,13 +195,8 @@ static inline __m256 exp2_ps8(__m256 t) {
     t = _mm256_max_ps(t, _mm256_set1_ps(-126.f));
     const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m256 f = _mm256_sub_ps(t, n);
-    __m256 p = _mm256_set1_ps(1.5403530e-4f);
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3333558e-3f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.6181291e-3f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.5504109e-2f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.4022651e-1f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.9314718e-1f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
+    __m256 p = _mm256_set1_ps(EXP2_TAYLOR[0]);
+    for (int i = 1; i < 7; i++) p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(EXP2_TAYLOR[i]));
     const __m256i e = _mm256_slli_epi32(
         _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
