@@ -12,14 +12,8 @@ from typing import ClassVar
 
 from vllm_shadowkv.core.heavy_hitters import layer_budgets
 from vllm_shadowkv.core.kivi import KiviFormat
-from vllm_shadowkv.methods.base import (
-    EngineSettings,
-    KVShapes,
-    SettingsError,
-    at_least,
-    one_of,
-    multiple_of,
-)
+from vllm_shadowkv.methods.base import (EngineSettings, KVShapes, SettingsError, at_least,
+                                        multiple_of, one_of)
 
 EXACT_BITS = 16  # "quantization off": kept tokens and folded generated tokens stay 16-bit
 BITS = (2, 4, EXACT_BITS)

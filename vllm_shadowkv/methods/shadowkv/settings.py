@@ -7,14 +7,8 @@ from dataclasses import dataclass, replace
 from typing import ClassVar
 
 from vllm_shadowkv.core.params import SELECTIONS, ShadowKVParams
-from vllm_shadowkv.methods.base import (
-    EngineSettings,
-    KVShapes,
-    SettingsError,
-    at_least,
-    one_of,
-    multiple_of,
-)
+from vllm_shadowkv.methods.base import (EngineSettings, KVShapes, SettingsError, at_least,
+                                        multiple_of, one_of)
 
 # The paper's rank: 160 of Llama-3.1-8B's 1024 key channels (8 KV heads x 128).
 PAPER_RANK, PAPER_KEY_WIDTH = 160, 1024

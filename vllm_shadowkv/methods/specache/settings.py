@@ -10,14 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from vllm_shadowkv.methods.base import (
-    EngineSettings,
-    KVShapes,
-    SettingsError,
-    at_least,
-    one_of,
-    multiple_of,
-)
+from vllm_shadowkv.methods.base import (EngineSettings, KVShapes, SettingsError, at_least,
+                                        multiple_of, one_of)
 from vllm_shadowkv.methods.minikv.settings import EveryTokenQuantized
 from vllm_shadowkv.methods.specache.guess import ACCEPTING_PROPOSER, PROPOSER
 

@@ -12,14 +12,8 @@ import math
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
-from vllm_shadowkv.methods.base import (
-    EngineSettings,
-    KVShapes,
-    SettingsError,
-    at_least,
-    one_of,
-    multiple_of,
-)
+from vllm_shadowkv.methods.base import (EngineSettings, KVShapes, SettingsError, at_least,
+                                        multiple_of, one_of)
 from vllm_shadowkv.methods.minikv.settings import EveryTokenQuantized
 from vllm_shadowkv.methods.tailorkv.layers import auto_q_layers
 
