@@ -19,9 +19,10 @@ def _amx_tiles() -> bool:
     return native.column_sums(q, k, 1.0) is not None
 
 
-def _c_sums_with_lse() -> bool:
-    """Whether the C column sums that take the rows' LSE run here (AVX512-BF16 or AVX2)."""
-    q = torch.zeros(1, 1, 64).bfloat16()
+def _c_sums_with_lse(dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether the C column sums that take the rows' LSE run here on dtype inputs (AVX512-BF16:
+    bf16; AVX2: bf16, fp32)."""
+    q = torch.zeros(1, 1, 64, dtype=dtype)
     return native.library() is not None and native.supports_column_sums_lse(q, q)
 
 
@@ -61,14 +62,16 @@ def test_chunked_column_sums_equal_one_pass(impl, gqa, chunks, head_dim, given_l
     _check_chunked(impl, gqa, chunks, head_dim, given_lse, dtype, monkeypatch, kernel_device)
 
 
-@pytest.mark.skipif(not _c_sums_with_lse(), reason="needs AVX512-BF16 or AVX2")
 @pytest.mark.parametrize("gqa", [1, 4, 8])
 @pytest.mark.parametrize("chunks, head_dim", CHUNKS)
-def test_c_column_sums_from_the_lse_equal_one_pass(gqa, chunks, head_dim, monkeypatch):
-    """The C kernel that takes the rows' LSE (bf16 chunks whose attention ran in C), as the
-    engine calls it."""
-    _check_chunked("lse", gqa, chunks, head_dim, True, torch.bfloat16, monkeypatch,
-                   torch.device("cpu"))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_c_column_sums_from_the_lse_equal_one_pass(gqa, chunks, head_dim, dtype, monkeypatch):
+    """The C kernel that takes the rows' LSE (chunks whose attention ran in C: bf16, or fp32 on
+    AVX2), as the engine calls it."""
+    if not _c_sums_with_lse(dtype):
+        pytest.skip(f"the C column sums take no {dtype} inputs here (AVX512-BF16: bf16; AVX2: "
+                    f"bf16, fp32)")
+    _check_chunked("lse", gqa, chunks, head_dim, True, dtype, monkeypatch, torch.device("cpu"))
 
 
 @pytest.mark.skipif(not _amx_tiles(), reason="needs AMX tiles")

@@ -1,7 +1,8 @@
 """The C prefill attention (csrc/prefill_attention.c) against the fp32 torch reference: whole
 prompts and later chunks after a prefix, lengths on and off its blocks (16 query tokens, 128
 keys), GQA groups 1 to 16, head sizes 64/80/128, keys and values strided as the pages give them,
-fresh random inputs each test; and the engine's CPU exact attention runs it where it applies."""
+bf16 and (where the build takes it: AVX2) fp32 inputs, fresh random inputs each test; and the
+engine's CPU exact attention runs it where it applies."""
 
 import pytest
 import torch
@@ -12,18 +13,29 @@ from vllm_shadowkv.core import attention, native, ops
 from torch_threads import torch_threads
 
 pytestmark = pytest.mark.skipif(
-    native.library() is None or not native.library().prefill_attention_built(),
+    native.library() is None or not native.library().prefill_attention_dtypes(),
     reason="the C prefill attention needs a compiler and a CPU with AVX512-BF16 or AVX2")
+
+
+def takes(dtype: torch.dtype) -> bool:
+    """Whether this build's kernel takes inputs of dtype (bf16 everywhere, fp32 on AVX2)."""
+    return bool(native.library().prefill_attention_dtypes() & 1 << native.DTYPES[dtype])
+
+
+DTYPES = [torch.bfloat16,
+          pytest.param(torch.float32, marks=pytest.mark.skipif(
+              native.library() is None or not takes(torch.float32),
+              reason="fp32 inputs: AVX2 builds (AVX512-BF16 multiplies bf16)"))]
 
 SHAPES = [(1, 1), (5, 5), (16, 16), (17, 17), (150, 150), (129, 129), (70, 203), (33, 257),
           (1, 90), (3, 1000)]
 
 
-def _inputs(q_len, s_len, h_kv, group, head_dim):
+def _inputs(q_len, s_len, h_kv, group, head_dim, dtype=torch.bfloat16):
     """Query [q, Hq, d]; key and value [s, Hkv, d] as views of one [s, 2, Hkv, d] tensor (a
-    token stride of 2 Hkv d, as the exact pages give them); bf16."""
-    q = torch.randn(q_len, h_kv * group, head_dim).bfloat16()
-    kv = torch.randn(s_len, 2, h_kv, head_dim).bfloat16()
+    token stride of 2 Hkv d, as the exact pages give them)."""
+    q = torch.randn(q_len, h_kv * group, head_dim).to(dtype)
+    kv = torch.randn(s_len, 2, h_kv, head_dim).to(dtype)
     return q, kv[:, 0], kv[:, 1]
 
 
@@ -40,16 +52,20 @@ def _reference(q, k, v, scale):
 @pytest.mark.parametrize("q_len, s_len", SHAPES)
 @pytest.mark.parametrize("group, head_dim", [(1, 64), (3, 64), (4, 128), (8, 128), (16, 64),
                                              (4, 80)])
-def test_prefill_attention_equals_the_reference(q_len, s_len, group, head_dim):
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_prefill_attention_equals_the_reference(q_len, s_len, group, head_dim, dtype):
     h_kv, scale = 2, head_dim ** -0.5
-    q, k, v = _inputs(q_len, s_len, h_kv, group, head_dim)
+    q, k, v = _inputs(q_len, s_len, h_kv, group, head_dim, dtype)
     assert native.supports_prefill_attention(q, k, v)
     out, lse = native.prefill_attention(q, k, v, scale)
     want_out, want_lse = _reference(q, k, v, scale)
-    assert out.dtype == torch.bfloat16 and out.shape == q.shape
-    # P is rounded to bf16 before it meets V (as FlashAttention does), the output once more
-    torch.testing.assert_close(out.float(), want_out, atol=2e-2, rtol=2e-2)
-    assert (out.float() - want_out).abs().mean() < 2e-3
+    assert out.dtype == dtype and out.shape == q.shape
+    if dtype == torch.bfloat16:
+        # P is rounded to bf16 before it meets V (as FlashAttention does), the output once more
+        torch.testing.assert_close(out.float(), want_out, atol=2e-2, rtol=2e-2)
+        assert (out.float() - want_out).abs().mean() < 2e-3
+    else:  # fp32 throughout
+        torch.testing.assert_close(out, want_out, atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(lse, want_lse, atol=1e-4, rtol=1e-4)
 
 
@@ -67,8 +83,10 @@ def test_prefill_attention_is_the_same_on_any_thread_count():
 def test_prefill_attention_takes_only_what_it_can():
     q, k, v = _inputs(8, 8, 2, 4, 64)
     assert native.supports_prefill_attention(q, k, v)
-    assert not native.supports_prefill_attention(q.float(), k.float(), v.float())
+    assert native.supports_prefill_attention(q.float(), k.float(), v.float()) == takes(
+        torch.float32)
     assert not native.supports_prefill_attention(q.half(), k.half(), v.half())
+    assert not native.supports_prefill_attention(q, k.float(), v.float())  # one dtype
     assert not native.supports_prefill_attention(*_inputs(8, 8, 2, 4, 72))  # d % 16
     assert not native.supports_prefill_attention(*_inputs(8, 8, 1, 32, 64))  # group > 16
     assert not native.supports_prefill_attention(q, k[:4], v[:4])  # fewer keys than queries

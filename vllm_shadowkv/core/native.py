@@ -141,7 +141,7 @@ def library() -> ctypes.CDLL | None:
                                 _ptr]
     lib.column_sums_lse.restype = ctypes.c_int
     lib.column_sums_lse.argtypes = [_ptr, _i64, _ptr, _i64, _i32, _i32, _i32, _i32, _i32,
-                                    ctypes.c_float, _ptr, _ptr]
+                                    _i32, ctypes.c_float, _ptr, _ptr]
     lib.top_k_tokens.restype = ctypes.c_int
     lib.top_k_tokens.argtypes = [_ptr, _i64, _ptr, _i32, _i32, _i32, _i32, _ptr]
     lib.channel_top_k.restype = ctypes.c_int
@@ -153,11 +153,11 @@ def library() -> ctypes.CDLL | None:
     lib.kernel_threads.argtypes = []
     lib.copy_rows.restype = None
     lib.copy_rows.argtypes = [_ptr, _i32, _i64, _ptr, _i64, _ptr, _i32, _i64, _ptr, _i64]
-    lib.prefill_attention_built.restype = ctypes.c_int
-    lib.prefill_attention_built.argtypes = []
+    lib.prefill_attention_dtypes.restype = ctypes.c_int
+    lib.prefill_attention_dtypes.argtypes = []
     lib.prefill_attention.restype = ctypes.c_int
     lib.prefill_attention.argtypes = [_ptr, _i64, _ptr, _i64, _ptr, _i64, _i32, _i32, _i32, _i32,
-                                      _i32, ctypes.c_float, _ptr, _ptr]
+                                      _i32, _i32, ctypes.c_float, _ptr, _ptr]
     lib.sparse_step.restype = ctypes.c_int64
     lib.sparse_step.argtypes = [ctypes.POINTER(SparseStep)]
     return lib
@@ -386,8 +386,8 @@ def prefill_attention(query, key, value, scale):
     lse = torch.empty(h_q, q_len, dtype=torch.float32)
     failed = library().prefill_attention(
         query.data_ptr(), query.stride(0), key.data_ptr(), key.stride(0), value.data_ptr(),
-        value.stride(0), q_len, s_len, h_q, h_kv, head_dim, scale, out.data_ptr(),
-        lse.data_ptr())
+        value.stride(0), DTYPES[query.dtype], q_len, s_len, h_q, h_kv, head_dim, scale,
+        out.data_ptr(), lse.data_ptr())
     if failed == 2:
         raise MemoryError("prefill_attention: scratch allocation failed")
     assert not failed, "outside supports_prefill_attention()"
@@ -401,15 +401,16 @@ def _heads_packed(t: torch.Tensor) -> torch.Tensor:
 
 def supports_prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
                                ) -> bool:
-    """Whether ``prefill_attention`` here takes these: bf16 CPU tensors, a head dimension a
+    """Whether ``prefill_attention`` here takes these: CPU tensors of one dtype the build takes
+    (bf16 on AVX512-BF16; bf16 or fp32 on AVX2, multiplied in fp32 there), a head dimension a
     multiple of 16 up to 512, at most 16 query heads per KV head, at least as many keys as
-    queries, and the library built for a CPU with AVX512-BF16 or AVX2 (fp32 FMAs there)."""
+    queries."""
     (q_len, h_q, head_dim), (s_len, h_kv, _) = query.shape, key.shape
     return (query.device.type == key.device.type == value.device.type == "cpu"
-            and query.dtype == key.dtype == value.dtype == torch.bfloat16
+            and query.dtype == key.dtype == value.dtype and query.dtype in DTYPES
             and head_dim % 16 == 0 and head_dim <= MAX_HEAD_DIM and h_q % h_kv == 0
             and h_q // h_kv <= 16 and s_len >= q_len > 0 and library() is not None
-            and library().prefill_attention_built() == 1)
+            and library().prefill_attention_dtypes() & 1 << DTYPES[query.dtype] != 0)
 
 
 def quant_attention(q, groups, group_table, group_count, fmt, scale, logits_row=None,
@@ -537,9 +538,9 @@ def column_sums_lse(q, k, scale, lse):
     q, k = _heads_packed(q), _heads_packed(k)
     lse = _as(lse.reshape(h_q, n), torch.float32)
     total = torch.empty(h_kv, length, dtype=torch.float32)
-    status = library().column_sums_lse(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), n,
-                                       length, h_q, h_kv, head_dim, scale, lse.data_ptr(),
-                                       total.data_ptr())
+    status = library().column_sums_lse(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0),
+                                       DTYPES[q.dtype], n, length, h_q, h_kv, head_dim, scale,
+                                       lse.data_ptr(), total.data_ptr())
     if status == 2:
         raise MemoryError("column_sums_lse: scratch allocation failed")
     assert not status, "outside supports_column_sums_lse()"

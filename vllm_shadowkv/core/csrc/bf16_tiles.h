@@ -5,7 +5,8 @@
  * - the products' inputs (`operand`: query rows and softmax weights) and the softmax's vectors
  *   (`lanes`, LANES fp32 lanes, and their masks).
  * With AVX512-BF16 the inputs stay bf16, packed into the dot product's pair layouts, on 16
- * lanes; on AVX2 CPUs the same in fp32 on 8 lanes: keys and values converted once. */
+ * lanes; on AVX2 CPUs the same in fp32 on 8 lanes: bf16 or fp32 inputs (an fp32 model, which
+ * runs its linear layers faster there), keys and values converted once. */
 #pragma once
 #include "cpu.h"
 
@@ -18,6 +19,7 @@
 #if defined(__AVX512BF16__)
 #define ROW_TILE 8 /* query rows per S micro-tile (8 x 32 keys: 16 accumulators) */
 #define PACK 2     /* bf16 values per packed word: a pair */
+#define OPERAND_DTYPES (1 << BF16) /* the dtypes of the inputs it takes (cpu.h's codes) */
 typedef uint16_t operand; /* bf16 */
 typedef uint32_t packed;
 
@@ -52,7 +54,8 @@ static inline void store_weights(uint16_t *p, lanes w) {
     _mm256_storeu_si256((__m256i *)p, (__m256i)_mm512_cvtneps_pbh(w));
 }
 
-static inline void load_operands(uint16_t *row, const uint16_t *src, int d) {
+static inline void load_operands(uint16_t *row, const uint16_t *src, int dtype, int d) {
+    (void)dtype; /* BF16 */
     memcpy(row, src, sizeof(uint16_t) * d);
 }
 
@@ -60,8 +63,9 @@ static inline void load_operands(uint16_t *row, const uint16_t *src, int d) {
  * product's pair layout for S = Q K^T: [KEYS / 16][d / 2][16 keys][2] (a pair of channels of 16
  * keys per vector, gathered). Words are pairs of bf16; k: the head's first key, k_stride
  * elements between keys. */
-static inline void pack_keys(const uint16_t *k, int64_t k_stride, int s_len, int d, int key0,
-                             uint32_t *kp) {
+static inline void pack_keys(const uint16_t *k, int dtype, int64_t k_stride, int s_len, int d,
+                             int key0, uint32_t *kp) {
+    (void)dtype; /* BF16 */
     const int pairs = d / 2, n = s_len - key0 < KEYS ? s_len - key0 : KEYS;
     const __m512i rows = _mm512_mullo_epi32(
         _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
@@ -79,8 +83,9 @@ static inline void pack_keys(const uint16_t *k, int64_t k_stride, int s_len, int
 
 /* The same block's values for O += P V: [d / 16][KEYS / 2][16 channels][2] (a pair of keys of
  * 16 channels, interleaved by cpu.h's vnni_tiles). */
-static inline void pack_values(const uint16_t *v, int64_t v_stride, int s_len, int d, int key0,
-                               uint32_t *vp) {
+static inline void pack_values(const uint16_t *v, int dtype, int64_t v_stride, int s_len, int d,
+                               int key0, uint32_t *vp) {
+    (void)dtype; /* BF16 */
     const int n = s_len - key0 < KEYS ? s_len - key0 : KEYS;
     for (int c = 0; c < d / 16; c++) {
         uint16_t *dst = (uint16_t *)(vp + (int64_t)c * KEYS / 2 * 16);
@@ -125,6 +130,7 @@ static inline void block_scores(const uint16_t *q, int d, int rows, const uint32
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512BF16__)
 #define ROW_TILE 6 /* query rows per S micro-tile (6 x 16 keys: 12 accumulators) */
 #define PACK 1
+#define OPERAND_DTYPES (1 << BF16 | 1 << F32)
 typedef float operand;
 typedef float packed;
 
@@ -168,21 +174,19 @@ static inline void store_first_lanes(float *p, int n, lanes x) {
 
 static inline void store_weights(float *p, lanes w) { _mm256_storeu_ps(p, w); }
 
-static inline void load_operands(float *row, const uint16_t *src, int d) {
-    to_f32(src, BF16, d, row);
+static inline void load_operands(float *row, const void *src, int dtype, int d) {
+    to_f32(src, dtype, d, row);
 }
 
 /* the head's keys key0 .. key0 + KEYS (zero past s_len) -> kp [KEYS / 8][d][8] */
-static inline void pack_keys(const uint16_t *k, int64_t k_stride, int s_len, int d, int key0,
-                             float *kp) {
+static inline void pack_keys(const void *k, int dtype, int64_t k_stride, int s_len, int d,
+                             int key0, float *kp) {
     for (int j = 0; j < KEYS; j++) {
         float *dst = kp + (int64_t)(j / 8) * d * 8 + j % 8;
         if (key0 + j < s_len) {
-            const uint16_t *row = k + (int64_t)(key0 + j) * k_stride;
-            for (int x = 0; x < d; x++) {
-                const uint32_t bits = (uint32_t)row[x] << 16;
-                memcpy(dst + x * 8, &bits, 4);
-            }
+            float row[MAX_HEAD_DIM];
+            to_f32(element_at(k, (int64_t)(key0 + j) * k_stride, dtype), dtype, d, row);
+            for (int x = 0; x < d; x++) dst[x * 8] = row[x];
         } else {
             for (int x = 0; x < d; x++) dst[x * 8] = 0.f;
         }
@@ -192,17 +196,16 @@ static inline void pack_keys(const uint16_t *k, int64_t k_stride, int s_len, int
 /* the head's values key0 .. key0 + KEYS (zero past s_len) -> vp in slices of 32 channels (the
  * last one 16 where d is an odd multiple of 16), each [KEYS][its width]: a PV tile reads one
  * run of memory */
-static inline void pack_values(const uint16_t *v, int64_t v_stride, int s_len, int d, int key0,
-                               float *vp) {
+static inline void pack_values(const void *v, int dtype, int64_t v_stride, int s_len, int d,
+                               int key0, float *vp) {
     for (int x0 = 0; x0 < d; x0 += 32) {
         const int width = d - x0 < 32 ? d - x0 : 32;
         float *slice = vp + (int64_t)KEYS * x0;
         for (int j = 0; j < KEYS; j++) {
             float *dst = slice + j * width;
             if (key0 + j < s_len)
-                for (int x = 0; x < width; x += 8)
-                    _mm256_storeu_ps(dst + x,
-                                     bf16x8(v + (int64_t)(key0 + j) * v_stride + x0 + x));
+                to_f32(element_at(v, (int64_t)(key0 + j) * v_stride + x0, dtype), dtype, width,
+                       dst);
             else
                 memset(dst, 0, sizeof(float) * width);
         }

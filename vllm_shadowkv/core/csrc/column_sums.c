@@ -205,13 +205,15 @@ int column_sums(const void *q, const void *k, int64_t k_stride, int n, int h_q, 
  * group's query rows r (token t at position length - n + t, seeing keys j <= it) of
  * exp(q_r . k_j scale - lse_r). q: [n, h_q, d] (token stride q_stride, heads d apart); k:
  * [length, h_kv, d] (token stride k_stride); lse: [h_q, n] natural log; total: [h_kv, length]
- * fp32, written. Returns 0; 1 where this build lacks AVX512-BF16 and AVX2 or d is not a multiple
- * of 16 up to MAX_HEAD_DIM; 2 if a scratch allocation failed. */
-int column_sums_lse(const uint16_t *q, int64_t q_stride, const uint16_t *k, int64_t k_stride,
+ * fp32, written; q and k of dtype. Returns 0; 1 where this build lacks the kernel or takes no
+ * dtype inputs (prefill_attention_dtypes) or d is not a multiple of 16 up to MAX_HEAD_DIM; 2 if
+ * a scratch allocation failed. */
+int column_sums_lse(const void *q, int64_t q_stride, const void *k, int64_t k_stride, int dtype,
                     int n, int length, int h_q, int h_kv, int d, float scale, const float *lse,
                     float *total) {
 #if defined(PREFILL_TILES)
-    if (d % 16 || d > MAX_HEAD_DIM || h_q % h_kv || length < n) return 1;
+    if (!(OPERAND_DTYPES >> dtype & 1) || d % 16 || d > MAX_HEAD_DIM || h_q % h_kv || length < n)
+        return 1;
     const int g = h_q / h_kv, offset = length - n, rows = n * g;
     const int rows_pad = (rows + ROW_TILE - 1) / ROW_TILE * ROW_TILE;
     const int key_blocks = (length + KEYS - 1) / KEYS;
@@ -224,8 +226,9 @@ int column_sums_lse(const uint16_t *q, int64_t q_stride, const uint16_t *k, int6
         for (int r = 0; r < rows_pad; r++) {
             operand *row = qp + (int64_t)r * d;
             if (r < rows)
-                load_operands(row, q + (int64_t)(r / g) * q_stride + (int64_t)(h * g + r % g) * d,
-                              d);
+                load_operands(
+                    row, element_at(q, (int64_t)(r / g) * q_stride + (h * g + r % g) * d, dtype),
+                    dtype, d);
             else
                 memset(row, 0, sizeof(operand) * d);
             lse2[r] = r < rows ? lse[(int64_t)(h * g + r % g) * n + r / g] * 1.44269504f : 0.f;
@@ -239,7 +242,8 @@ int column_sums_lse(const uint16_t *q, int64_t q_stride, const uint16_t *k, int6
             for (int kb = 0; kb < key_blocks; kb++) {
                 if (status) continue;
                 const int key0 = kb * KEYS, keys = length - key0 < KEYS ? length - key0 : KEYS;
-                pack_keys(k + (int64_t)h * d, k_stride, length, d, key0, kp);
+                pack_keys(element_at(k, (int64_t)h * d, dtype), dtype, k_stride, length, d, key0,
+                          kp);
                 lanes column[KEYS / LANES];
                 for (int v = 0; v < KEYS / LANES; v++) column[v] = lanes_zero();
                 /* the first row that sees a key of the block: token key0 - offset */
@@ -253,8 +257,9 @@ int column_sums_lse(const uint16_t *q, int64_t q_stride, const uint16_t *k, int6
                         for (int v = 0; v < KEYS / LANES && LANES * v < seen; v++) {
                             const lanes t = lanes_fmsub(lanes_load(sr + LANES * v), lanes_set1(c),
                                                         lanes_set1(lse2[r]));
-                            column[v] = lanes_add(
-                                column[v], lanes_keep(first_lanes(seen - LANES * v), lanes_exp2(t)));
+                            const lanes e = lanes_exp2(t);
+                            column[v] = lanes_add(column[v],
+                                                  lanes_keep(first_lanes(seen - LANES * v), e));
                         }
                     }
                 }
@@ -268,8 +273,8 @@ int column_sums_lse(const uint16_t *q, int64_t q_stride, const uint16_t *k, int6
     free(qp), free(lse2);
     return status ? 2 : 0;
 #else
-    (void)q, (void)q_stride, (void)k, (void)k_stride, (void)n, (void)length, (void)h_q,
-        (void)h_kv, (void)d, (void)scale, (void)lse, (void)total;
+    (void)q, (void)q_stride, (void)k, (void)k_stride, (void)dtype, (void)n, (void)length,
+        (void)h_q, (void)h_kv, (void)d, (void)scale, (void)lse, (void)total;
     return 1;
 #endif
 }

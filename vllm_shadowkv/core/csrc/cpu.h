@@ -27,6 +27,11 @@ enum { F32 = 0, BF16 = 1, F16 = 2 };
 
 static inline size_t element_size(int dtype) { return dtype == F32 ? 4 : 2; }
 
+/* &base[index] for elements of dtype */
+static inline const void *element_at(const void *base, int64_t index, int dtype) {
+    return (const char *)base + index * (int64_t)element_size(dtype);
+}
+
 int kernel_threads(void); /* threads.c: the threads of the kernels' parallel loops */
 
 static inline void to_f32(const void *src, int dtype, int n, float *out) {

@@ -27,11 +27,11 @@
 #define MAX_GROUP 16
 #define NONE (-1e30f)
 
-/* 1 where this build has the kernel (AVX512-BF16 or AVX2); native.supports_prefill_attention
- * asks. */
-int prefill_attention_built(void) {
+/* The dtypes (bit 1 << cpu.h's code) this build's kernel takes, 0 without one (neither
+ * AVX512-BF16 nor AVX2); native.supports_prefill_attention asks. */
+int prefill_attention_dtypes(void) {
 #if defined(PREFILL_TILES)
-    return 1;
+    return OPERAND_DTYPES;
 #else
     return 0;
 #endif
@@ -144,15 +144,16 @@ static inline void softmax_row(const float *sr, int limit, float c, float *m, fl
 #endif
 
 /* q: [q_len, h_q, d] (token stride q_stride, heads d apart); k, v: [s_len, h_kv, d] (token
- * strides k_stride, v_stride, heads d apart); all bf16, s_len >= q_len. out: [q_len, h_q, d]
- * bf16 contiguous; lse: fp32 [h_q, q_len] (natural log). Returns 0; 1 where this build lacks
- * the kernel, d is not a multiple of 16 up to MAX_HEAD_DIM or the group is over MAX_GROUP; 2 if a
- * scratch allocation failed. */
-int prefill_attention(const uint16_t *q, int64_t q_stride, const uint16_t *k, int64_t k_stride,
-                      const uint16_t *v, int64_t v_stride, int q_len, int s_len, int h_q,
-                      int h_kv, int d, float scale, uint16_t *out, float *lse) {
+ * strides k_stride, v_stride, heads d apart); all of dtype, s_len >= q_len. out: [q_len, h_q, d]
+ * of dtype, contiguous; lse: fp32 [h_q, q_len] (natural log). Returns 0; 1 where this build
+ * lacks the kernel or takes no dtype inputs, d is not a multiple of 16 up to MAX_HEAD_DIM or the
+ * group is over MAX_GROUP; 2 if a scratch allocation failed. */
+int prefill_attention(const void *q, int64_t q_stride, const void *k, int64_t k_stride,
+                      const void *v, int64_t v_stride, int dtype, int q_len, int s_len, int h_q,
+                      int h_kv, int d, float scale, void *out, float *lse) {
 #if defined(PREFILL_TILES)
-    if (d % 16 || d > MAX_HEAD_DIM || h_q % h_kv || h_q / h_kv > MAX_GROUP || s_len < q_len)
+    if (!(OPERAND_DTYPES >> dtype & 1) || d % 16 || d > MAX_HEAD_DIM || h_q % h_kv ||
+        h_q / h_kv > MAX_GROUP || s_len < q_len)
         return 1;
     const int g = h_q / h_kv;
     const int s_pad = (s_len + KEYS - 1) / KEYS * KEYS, key_blocks = s_pad / KEYS;
@@ -177,10 +178,10 @@ int prefill_attention(const uint16_t *q, int64_t q_stride, const uint16_t *k, in
         for (int h = 0; h < h_kv; h++) {
 #pragma omp for schedule(static)
             for (int kb = 0; kb < key_blocks; kb++) {
-                pack_keys(k + (int64_t)h * d, k_stride, s_len, d, kb * KEYS,
-                          kp + (int64_t)kb * KEYS * d / PACK);
-                pack_values(v + (int64_t)h * d, v_stride, s_len, d, kb * KEYS,
-                            vp + (int64_t)kb * KEYS * d / PACK);
+                pack_keys(element_at(k, (int64_t)h * d, dtype), dtype, k_stride, s_len, d,
+                          kb * KEYS, kp + (int64_t)kb * KEYS * d / PACK);
+                pack_values(element_at(v, (int64_t)h * d, dtype), dtype, v_stride, s_len, d,
+                            kb * KEYS, vp + (int64_t)kb * KEYS * d / PACK);
             }
             /* the last token blocks (the most keys) first */
 #pragma omp for schedule(dynamic)
@@ -191,7 +192,9 @@ int prefill_attention(const uint16_t *q, int64_t q_stride, const uint16_t *k, in
                 /* row r: token t0 + r / g, query head h g + r % g */
                 for (int r = 0; r < valid; r++)
                     load_operands(qb + (int64_t)r * d,
-                                  q + (int64_t)(t0 + r / g) * q_stride + (h * g + r % g) * d, d);
+                                  element_at(q, (int64_t)(t0 + r / g) * q_stride +
+                                                    (h * g + r % g) * d, dtype),
+                                  dtype, d);
                 for (int r = valid; r < rows_pad; r++)
                     memset(qb + (int64_t)r * d, 0, sizeof(operand) * d);
                 for (int r = 0; r < rows_pad; r++) m[r] = NONE, l[r] = 0.f;
@@ -218,7 +221,8 @@ int prefill_attention(const uint16_t *q, int64_t q_stride, const uint16_t *k, in
                     const float inv = 1.f / l[r];
                     float *o = ob + (int64_t)r * d;
                     for (int x = 0; x < d; x++) o[x] *= inv;
-                    from_f32(o, d, BF16, out + ((int64_t)t * h_q + head) * d);
+                    from_f32(o, d, dtype,
+                             (char *)out + ((int64_t)t * h_q + head) * d * element_size(dtype));
                     lse[(int64_t)head * q_len + t] = (m[r] + log2f(l[r])) * 0.69314718f;
                 }
             }
@@ -228,8 +232,8 @@ int prefill_attention(const uint16_t *q, int64_t q_stride, const uint16_t *k, in
     free(kp), free(vp);
     return status ? 2 : 0;
 #else
-    (void)q, (void)q_stride, (void)k, (void)k_stride, (void)v, (void)v_stride, (void)q_len,
-        (void)s_len, (void)h_q, (void)h_kv, (void)d, (void)scale, (void)out, (void)lse;
+    (void)q, (void)q_stride, (void)k, (void)k_stride, (void)v, (void)v_stride, (void)dtype,
+        (void)q_len, (void)s_len, (void)h_q, (void)h_kv, (void)d, (void)scale, (void)out, (void)lse;
     return 1;
 #endif
 }
