@@ -62,6 +62,24 @@ def test_covering_settings_equal_default_and_run_sparse(method, block_size, tiny
     assert store["used_bytes"] == 0 and store["num_keys"] == 0  # finished requests gave it back
 
 
+def test_float32_model_with_covering_settings_equals_default(tiny_model, tmp_path):
+    """An fp32 model (on AVX2 CPUs the dtype whose linear layers vLLM runs fast; there the C
+    prefill attention takes it too): ShadowKV's covering settings give the default backend's
+    fp32 greedy tokens, the long requests decoding compressed."""
+    common = {**COVERING, "model": tiny_model}
+    common["engine_kwargs"] = {**COVERING["engine_kwargs"], "dtype": "float32"}
+    ref = generate_in_fresh_process({**common, "attention_backend": None}, _dir(tmp_path, "ref"))
+    settings = METHODS["shadowkv"].covering_settings(256, 6144) | {"min_sparse_len": 2048}
+    test = generate_in_fresh_process(
+        {**common, "attention_backend": "shadowkv",
+         "engine_kwargs": {**common["engine_kwargs"],
+                           "additional_config": {"shadowkv": settings}}},
+        _dir(tmp_path, "shadowkv"))
+    assert_greedy_close(ref["batches"][0], test["batches"][0], names=("default", "shadowkv"))
+    modes = [s["mode"] for s in test["stats"][0]["finished"].values()]
+    assert sorted(modes) == ["dense", "dense", "sparse", "sparse"]
+
+
 def test_budget_per_prompt_sizes_each_requests_slots(tiny_model, covering_reference, tmp_path):
     """``sparse_budget_ratio`` (the paper's budget, a share of each prompt): at 1.0 every prompt
     is covered and the tokens are the default backend's; at 5 % the two long prompts (2,570
