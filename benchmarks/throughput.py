@@ -125,7 +125,7 @@ def child_main(args) -> None:
     start = time.perf_counter()
     llm = LLM(model=job["model"], max_model_len=context + gen, enable_prefix_caching=False,
               enforce_eager=not job["compile"], seed=0, kv_cache_memory_bytes=job["kv_bytes"],
-              disable_log_stats=False, **kwargs)
+              dtype=job["dtype"], disable_log_stats=False, **kwargs)
     startup_s = time.perf_counter() - start
     vllm_config = llm.llm_engine.vllm_config
     scheduler = llm.llm_engine.engine_core.engine_core.scheduler
@@ -314,6 +314,9 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true",
                         help="both engines compile the model as `vllm serve` does without "
                              "--enforce-eager (default: eager)")
+    parser.add_argument("--dtype", default="auto",
+                        help="the model's dtype, both backends (vLLM's --dtype; float32 on CPUs "
+                             "without AVX512-BF16, where bf16 linear layers run slowly)")
     parser.add_argument("--timeout", type=float, default=1500, help="per engine (s)")
     parser.add_argument("--out", type=Path, default=OUT_DIR)
     parser.add_argument("--child-out", help=argparse.SUPPRESS)
@@ -343,7 +346,7 @@ def main() -> None:
         for backend in backends if i % 2 == 0 else backends[::-1]:
             jobs.append({"backend": backend, "context": context, "gen": args.gen, "model": model,
                          "kv_bytes": args.kv_mib * MiB, "max_batch": args.max_batch,
-                         "compile": args.compile,
+                         "compile": args.compile, "dtype": args.dtype,
                          "warmup_len": min(context, args.min_sparse_len),
                          "settings": settings(context) if backend != "default" else None})
     runs = []
@@ -370,6 +373,7 @@ def main() -> None:
         "date": datetime.date.today().isoformat(),
         "contexts": contexts, "gen": args.gen, "kv_mib": args.kv_mib,
         "omp_num_threads": int(cores_env["OMP_NUM_THREADS"]), "compile": args.compile,
+        "dtype": args.dtype,
         "method": args.method,
         "wall_s": round(time.perf_counter() - wall, 1),
         "note": "CPU timings do not predict GPU speed",
