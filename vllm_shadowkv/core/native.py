@@ -530,9 +530,9 @@ def supports_column_sums(q: torch.Tensor, k: torch.Tensor) -> bool:
 
 def column_sums_lse(q, k, scale, lse):
     """heavy_hitters.chunk_column_sums_reference given the rows' LSE, in one C call on
-    AVX512-BF16 dot products or AVX2 (``csrc/column_sums.c``): q [n, h_q, d] the chunk's queries, k
-    [length, h_kv, d] every key so far, lse [h_kv, G, n] from the chunk's attention ->
-    [h_kv, length] fp32. For what ``supports_column_sums_lse`` accepts."""
+    AVX512-BF16 dot products or AVX2's FMAs (``csrc/column_sums.c``): q [n, h_q, d] the chunk's
+    queries, k [length, h_kv, d] every key so far, lse [h_kv, G, n] from the chunk's attention
+    -> [h_kv, length] fp32. For what ``supports_column_sums_lse`` accepts."""
     n, h_q, head_dim = q.shape
     length, h_kv, _ = k.shape
     q, k = _heads_packed(q), _heads_packed(k)

@@ -159,7 +159,8 @@ def rebuild_keys(a, a_rows, a_positions, a_start, b, slot_chunks, miss_slots, mi
 
 def prefill_in_c(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
     """Whether a CPU causal attention of ``query`` over ``key``/``value`` (a prefill chunk) runs
-    in C (``native.prefill_attention``, on AVX512-BF16 dot products or AVX2's fp32 FMAs)."""
+    in C (``native.prefill_attention``, on AVX512-BF16 dot products for bf16 or AVX2's fp32 FMAs
+    for bf16 and fp32)."""
     return compiled_cpu(query) and native.supports_prefill_attention(query, key, value)
 
 
@@ -217,10 +218,10 @@ def top_k_tokens(logits, other_lse, h_kv, k):
 
 def column_sums(q, k, scale, lse=None):
     """One prefill chunk's H2O column sums. The Triton kernel takes the rows' LSE where the
-    engine's paged prefill kernel gave it, and so does the CPU's C kernel (AVX512-BF16, AVX2)
-    where the chunk's attention ran in C. Otherwise on the CPU the C kernel on AMX tiles (bf16, "auto")
-    and the GEMM tiles elsewhere (``heavy_hitters.gemm_column_sums``, compiled in "auto", eager
-    in "torch") normalise their rows themselves."""
+    engine's paged prefill kernel gave it, and so does the CPU's C kernel (AVX512-BF16: bf16;
+    AVX2: bf16, fp32) where the chunk's attention ran in C. Otherwise on the CPU the C kernel on
+    AMX tiles (bf16, "auto") and the GEMM tiles elsewhere (``heavy_hitters.gemm_column_sums``,
+    compiled in "auto", eager in "torch") normalise their rows themselves."""
     if _use_triton(q):
         return _kernels("heavy_hitter_kernels").chunk_column_sums(q, k, scale, lse)
     if q.device.type != "cpu":
