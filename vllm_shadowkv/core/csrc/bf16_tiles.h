@@ -2,8 +2,8 @@
  * that each has one driver for both ISAs:
  * - one KV head's keys and values packed per block of KEYS keys (pack_keys, pack_values) and the
  *   block's S = Q K^T (block_scores, in micro-tiles of ROW_TILE query rows);
- * - the products' inputs (`operand`: query rows and softmax weights) and the softmax's vectors
- *   (`lanes`, LANES fp32 lanes, and their masks).
+ * - the products' inputs (`operand`: query rows and softmax weights) and the width of the
+ *   softmax's vectors (lanes.h).
  * With AVX512-BF16 the inputs stay bf16, packed into the dot product's pair layouts, on 16
  * lanes; on AVX2 CPUs the same in fp32 on 8 lanes: bf16 or fp32 inputs (an fp32 model, which
  * runs its linear layers faster there), keys and values converted once. */
@@ -17,37 +17,18 @@
 #endif
 
 #if defined(__AVX512BF16__)
+#define LANES 16
+#elif defined(__AVX2__) && defined(__FMA__)
+#define LANES 8
+#endif
+#include "lanes.h"
+
+#if defined(__AVX512BF16__)
 #define ROW_TILE 8 /* query rows per S micro-tile (8 x 32 keys: 16 accumulators) */
 #define PACK 2     /* bf16 values per packed word: a pair */
 #define OPERAND_DTYPES (1 << BF16) /* the dtypes of the inputs it takes (cpu.h's codes) */
 typedef uint16_t operand; /* bf16 */
 typedef uint32_t packed;
-
-#define LANES 16
-typedef __m512 lanes;
-typedef __mmask16 lane_mask;
-#define lanes_load _mm512_loadu_ps
-#define lanes_store _mm512_storeu_ps
-#define lanes_set1 _mm512_set1_ps
-#define lanes_zero _mm512_setzero_ps
-#define lanes_add _mm512_add_ps
-#define lanes_sub _mm512_sub_ps
-#define lanes_mul _mm512_mul_ps
-#define lanes_fmsub _mm512_fmsub_ps
-#define lanes_exp2 exp2_ps
-#define lanes_keep _mm512_maskz_mov_ps /* (mask, x): x where the mask is set, else 0 */
-#define lanes_max_where(top, mask, x) _mm512_mask_max_ps(top, mask, top, x)
-#define lanes_max_of _mm512_reduce_max_ps
-#define lanes_sum_of _mm512_reduce_add_ps
-
-/* the first n lanes (none for n <= 0) */
-static inline lane_mask first_lanes(int n) {
-    return n >= 16 ? 0xFFFF : n > 0 ? (__mmask16)((1u << n) - 1) : 0;
-}
-
-static inline void store_first_lanes(float *p, int n, lanes x) {
-    _mm512_mask_storeu_ps(p, first_lanes(n), x);
-}
 
 /* softmax weights, rounded to bf16 as FlashAttention rounds P */
 static inline void store_weights(uint16_t *p, lanes w) {
@@ -133,44 +114,6 @@ static inline void block_scores(const uint16_t *q, int d, int rows, const uint32
 #define OPERAND_DTYPES (1 << BF16 | 1 << F32)
 typedef float operand;
 typedef float packed;
-
-#define LANES 8
-typedef __m256 lanes;
-typedef __m256 lane_mask; /* all bits set in a lane that is in */
-#define lanes_load _mm256_loadu_ps
-#define lanes_store _mm256_storeu_ps
-#define lanes_set1 _mm256_set1_ps
-#define lanes_zero _mm256_setzero_ps
-#define lanes_add _mm256_add_ps
-#define lanes_sub _mm256_sub_ps
-#define lanes_mul _mm256_mul_ps
-#define lanes_fmsub _mm256_fmsub_ps
-#define lanes_exp2 exp2_ps8
-#define lanes_keep _mm256_and_ps
-#define lanes_max_where(top, mask, x) _mm256_max_ps(top, _mm256_blendv_ps(top, x, mask))
-
-static inline float lanes_max_of(__m256 x) {
-    __m128 m = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
-    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-    m = _mm_max_ss(m, _mm_movehdup_ps(m));
-    return _mm_cvtss_f32(m);
-}
-
-static inline float lanes_sum_of(__m256 x) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
-static inline lane_mask first_lanes(int n) {
-    return _mm256_castsi256_ps(
-        _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
-}
-
-static inline void store_first_lanes(float *p, int n, lanes x) {
-    _mm256_maskstore_ps(p, _mm256_castps_si256(first_lanes(n)), x);
-}
 
 static inline void store_weights(float *p, lanes w) { _mm256_storeu_ps(p, w); }
 

@@ -17,26 +17,14 @@
 
 #define NONE (-1e30f) /* a finite "no score": -ffast-math assumes no infinities */
 
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-/* A vector of VLEN fp32 lanes: AVX-512's 16 or AVX2's 8. */
 #if defined(__AVX512F__)
-#define VLEN 16
-typedef __m512 vfloat;
-#define vload _mm512_loadu_ps
-#define vstore _mm512_storeu_ps
-#define vset1 _mm512_set1_ps
-#define vfmadd _mm512_fmadd_ps
-#define vcodes codes16
-#else
-#define VLEN 8
-typedef __m256 vfloat;
-#define vload _mm256_loadu_ps
-#define vstore _mm256_storeu_ps
-#define vset1 _mm256_set1_ps
-#define vfmadd _mm256_fmadd_ps
-#define vcodes codes8
+#define LANES 16
+#define lane_codes codes16 /* a token's codes of LANES channels as fp32 (below) */
+#elif defined(__AVX2__) && defined(__FMA__)
+#define LANES 8
+#define lane_codes codes8
 #endif
-#endif
+#include "lanes.h"
 
 /* A pool field: base, and the byte strides between pool entries and between KV heads. */
 struct field { const char *base; int64_t entry, head; };
@@ -47,8 +35,8 @@ static inline const char *at(const struct field *f, int64_t entry, int head) {
 
 struct format {
     int bits, group, d, value_group, words, param_dtype;
-#if defined(VLEN)
-    int vectors; /* d / VLEN where the vector path runs (d % VLEN == 0), else 0 */
+#if defined(LANES)
+    int vectors; /* d / LANES where the vector path runs (d % LANES == 0), else 0 */
 #endif
 #if defined(__AVX512F__)
     /* per 16 channels v: the first word, each lane's word after it and its shift */
@@ -62,9 +50,9 @@ struct format {
 };
 
 static void set_up(struct format *f) {
-#if defined(VLEN)
+#if defined(LANES)
     const int per_word = 32 / f->bits;
-    f->vectors = f->d % VLEN == 0 ? f->d / VLEN : 0;
+    f->vectors = f->d % LANES == 0 ? f->d / LANES : 0;
 #endif
 #if defined(__AVX512F__)
     for (int v = 0; v < f->vectors; v++) {
@@ -106,12 +94,12 @@ static inline void scale_queries(const float *qf, int rows, int d, const float *
 /* Channels [16 v, 16 v + 16) of a token's codes as fp32: one word broadcast at 1 and 2 bits,
  * two words permuted into the lanes at 4. */
 static inline __m512 codes16(const struct format *f, const int32_t *words, int v) {
-    const __m512i lanes =
+    const __m512i spread =
         f->bits == 4
             ? _mm512_permutexvar_epi32(f->lane_word[v],
                                        _mm512_maskz_loadu_epi32(0x3, words + f->first_word[v]))
             : _mm512_set1_epi32(words[f->first_word[v]]);
-    const __m512i codes = _mm512_and_si512(_mm512_srlv_epi32(lanes, f->lane_shift[v]),
+    const __m512i codes = _mm512_and_si512(_mm512_srlv_epi32(spread, f->lane_shift[v]),
                                            _mm512_set1_epi32((1 << f->bits) - 1));
     return _mm512_cvtepi32_ps(codes);
 }
@@ -170,9 +158,9 @@ static void group_scores_1bit(const struct format *f, const int32_t *codes, cons
 #elif defined(__AVX2__) && defined(__FMA__)
 /* Channels [8 v, 8 v + 8) of a token's codes as fp32: one word broadcast, a shift per lane. */
 static inline __m256 codes8(const struct format *f, const int32_t *words, int v) {
-    const __m256i lanes = _mm256_srlv_epi32(_mm256_set1_epi32(words[f->first_word[v]]),
-                                            f->lane_shift[v]);
-    return _mm256_cvtepi32_ps(_mm256_and_si256(lanes, _mm256_set1_epi32((1 << f->bits) - 1)));
+    const __m256i spread = _mm256_srlv_epi32(_mm256_set1_epi32(words[f->first_word[v]]),
+                                             f->lane_shift[v]);
+    return _mm256_cvtepi32_ps(_mm256_and_si256(spread, _mm256_set1_epi32((1 << f->bits) - 1)));
 }
 
 /* p[r * n + i] = scale * (query row r . key i) = scale * (qs_r . codes_i + qz_r) for the
@@ -200,31 +188,31 @@ static void group_scores8(const struct format *f, const int32_t *codes, const fl
 
 #endif
 
-#if defined(VLEN)
+#if defined(LANES)
 
-/* acc[r] += sum_i p[r * n + i] * value i, each VLEN channels of a value dequantized in a
- * register once per four rows (value_group a multiple of VLEN: one scale per vector). */
+/* acc[r] += sum_i p[r * n + i] * value i, each LANES channels of a value dequantized in a
+ * register once per four rows (value_group a multiple of LANES: one scale per vector). */
 static void group_add_values(const struct format *f, const int32_t *codes, const float *v_scale,
                              const float *v_zero, const float *p, int nq, float *acc) {
     const int d = f->d, n = f->group, per_token = d / f->value_group;
     for (int v = 0; v < f->vectors; v++) {
-        const int at = VLEN * v / f->value_group;
+        const int at = LANES * v / f->value_group;
         for (int r = 0; r < nq; r += 4) {
-            float *out = acc + r * d + VLEN * v;
-            vfloat a0 = vload(out), a1 = vload(out + d),
-                   a2 = vload(out + 2 * d), a3 = vload(out + 3 * d);
+            float *out = acc + r * d + LANES * v;
+            lanes a0 = lanes_load(out), a1 = lanes_load(out + d),
+                   a2 = lanes_load(out + 2 * d), a3 = lanes_load(out + 3 * d);
             for (int i = 0; i < n; i++) {
-                const vfloat x = vfmadd(
-                    vcodes(f, codes + (int64_t)i * f->words, v),
-                    vset1(v_scale[i * per_token + at]),
-                    vset1(v_zero[i * per_token + at]));
-                a0 = vfmadd(vset1(p[r * n + i]), x, a0);
-                a1 = vfmadd(vset1(p[(r + 1) * n + i]), x, a1);
-                a2 = vfmadd(vset1(p[(r + 2) * n + i]), x, a2);
-                a3 = vfmadd(vset1(p[(r + 3) * n + i]), x, a3);
+                const lanes x = lanes_fmadd(
+                    lane_codes(f, codes + (int64_t)i * f->words, v),
+                    lanes_set1(v_scale[i * per_token + at]),
+                    lanes_set1(v_zero[i * per_token + at]));
+                a0 = lanes_fmadd(lanes_set1(p[r * n + i]), x, a0);
+                a1 = lanes_fmadd(lanes_set1(p[(r + 1) * n + i]), x, a1);
+                a2 = lanes_fmadd(lanes_set1(p[(r + 2) * n + i]), x, a2);
+                a3 = lanes_fmadd(lanes_set1(p[(r + 3) * n + i]), x, a3);
             }
-            vstore(out, a0), vstore(out + d, a1);
-            vstore(out + 2 * d, a2), vstore(out + 3 * d, a3);
+            lanes_store(out, a0), lanes_store(out + d, a1);
+            lanes_store(out + 2 * d, a2), lanes_store(out + 3 * d, a3);
         }
     }
 }
@@ -316,8 +304,8 @@ int quant_attention(const void *q, int q_dtype, int batch, int s_q, int h_q, int
         fields[i] = (struct field){bases[i], strides[2 * i], strides[2 * i + 1]};
     const size_t q_bytes = element_size(q_dtype), o_bytes = element_size(out_dtype);
     int vector_keys = 0, vector_values = 0;
-#if defined(VLEN)
-    vector_values = f.vectors && value_group % VLEN == 0;
+#if defined(LANES)
+    vector_values = f.vectors && value_group % LANES == 0;
 #endif
 #if defined(__AVX512F__)
     vector_keys = f.vectors && d <= 256;  /* a key's vectors fit in registers */
@@ -391,7 +379,7 @@ int quant_attention(const void *q, int q_dtype, int batch, int s_q, int h_q, int
                 for (int i = nq * group; i < rows * group; i++) p[i] = 0.f;  /* padding */
                 to_f32(at(&fields[4], entry, h), param_dtype, group * per_token, v_scale);
                 to_f32(at(&fields[5], entry, h), param_dtype, group * per_token, v_zero);
-#if defined(VLEN)
+#if defined(LANES)
                 if (vector_values)
                     group_add_values(&f, v_codes, v_scale, v_zero, p, rows, acc);
 #endif
