@@ -22,6 +22,7 @@ RESULT:  {"backends": {layer: backend name}, "runner": {"class", "v1", ...},
 """
 
 import json
+import os
 import sys
 import time
 
@@ -32,7 +33,6 @@ def count_host_waits() -> None:
     """Each attention layer's call in a step without prefill rows, counted by
     tests/host_waits.py (the reads of device data and the HostCopy round trips), one JSON line
     each in HOST_WAITS. The engine core runs in this process, where the patch is."""
-    import os
     from pathlib import Path
 
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -63,8 +63,6 @@ class KVEventSubscriber:
     directory, subscribed before the engine starts (vLLM binds it)."""
 
     def __init__(self) -> None:
-        import os
-
         import zmq
 
         self.endpoint = f"ipc:///tmp/vllm-shadowkv-kv-events-{os.getpid()}"  # short: a socket path
@@ -138,7 +136,7 @@ if __name__ == "__main__":  # vLLM spawns its engine core: keep the entry point 
                                                       *o.prompt_token_ids[:8]])
                        for o in outputs]
         outputs = llm.generate(prompts, params, use_tqdm=False)
-        if request.get("count_host_waits"):
+        if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0":
             # In-process, the step that hands the worker the finished requests (the engine
             # core's busy loop runs it in its own process) runs here.
             llm.llm_engine.step()

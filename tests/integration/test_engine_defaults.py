@@ -27,7 +27,7 @@ def test_defaults_start_and_run_compressed(method, model, key_width, tmp_path):
         "model": str(build_model(model)), "attention_backend": method, "batches": [[LONG]],
         "max_tokens": 4, "engine_kwargs": {
             "max_model_len": 8192, "additional_config": {method: default_settings(method)}},
-    }, tmp_path, env={WARM_UP_ENV: "1"})
+    }, tmp_path, env={WARM_UP_ENV: "1"}, vllm_processes=True)  # as `vllm serve` runs it
     assert set(result["backends"].values()) == {method.upper()}
     stats = result["stats"][0]
     requests = list((stats["finished"] | stats["requests"]).values())

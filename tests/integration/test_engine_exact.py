@@ -14,12 +14,14 @@ def test_offline_shadowkv_is_used_and_matches_default_backend(tiny_model, tmp_pa
         "max_tokens": 24,
         "engine_kwargs": {"max_model_len": 4096, "max_num_batched_tokens": 512},
     }
-    ref = generate_in_fresh_process({**common, "attention_backend": None}, _dir(tmp_path, "ref"))
+    # Both engines in vLLM's own processes, as an offline job runs them.
+    ref = generate_in_fresh_process({**common, "attention_backend": None}, _dir(tmp_path, "ref"),
+                                    vllm_processes=True)
     # --kv-offloading-size (GiB, split over the workers) sizes the host store in the engine.
     test = generate_in_fresh_process(
         {**common, "attention_backend": "shadowkv",
          "engine_kwargs": {**common["engine_kwargs"], "kv_offloading_size": 0.5}},
-        _dir(tmp_path, "shadowkv"))
+        _dir(tmp_path, "shadowkv"), vllm_processes=True)
     assert set(ref["backends"].values()) == {"CPU_ATTN"}
     assert len(test["backends"]) == 4 and set(test["backends"].values()) == {"SHADOWKV"}
     assert test["runner"]["v1"] and test["runner"]["use_v2_model_runner"] is False
