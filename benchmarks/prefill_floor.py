@@ -1,5 +1,6 @@
 """The hardware floor under a throughput.py run: the prefill's arithmetic at the machine's
-measured bf16 GEMM rate, and the most output throughput any backend could reach above it.
+measured GEMM rate in the run's dtype, and the most output throughput any backend could reach
+above it.
 
   .venv/bin/python benchmarks/prefill_floor.py \\
       benchmarks/throughput/llama8b_shape_16k_2cores_s61/throughput.json
@@ -7,8 +8,8 @@ measured bf16 GEMM rate, and the most output throughput any backend could reach 
 Every request needs its own prefill of L prompt tokens, and on a CPU a prefill is compute-bound.
 So whatever its batch and however fast its decode, a backend's output tokens/s are at most
 G / P_floor, with G output tokens per request and P_floor = the prefill's FLOPs / the machine's
-GEMM rate: its exact attention and its linear layers both at the rate of the machine's best bf16
-GEMM, softmax, norms and everything else free. Divided by the default backend's measured output
+GEMM rate: its exact attention and its linear layers both at the rate of the machine's best GEMM
+in the run's dtype, softmax, norms and everything else free. Divided by the default backend's measured output
 tokens/s, that is the largest throughput ratio any CPU implementation could reach in that run.
 
 FLOPs of one prefill, from the model's config: 2 per weight of every layer's projections per
@@ -53,12 +54,20 @@ def prefill_flops(config: dict, length: int) -> dict:
     return {"linear": linear, "attention": attention, "total": linear + attention}
 
 
-def gemm_rate(config: dict, tokens: int, reps: int) -> float:
-    """The best bf16 GEMM rate (FLOP/s) over the model's projection shapes, ``tokens`` rows."""
+def run_dtype(meta: dict, config: dict) -> torch.dtype:
+    """The dtype the run served: its ``--dtype``, else the model's (bf16 for the local ones)."""
+    name = meta.get("dtype", "auto")
+    model = config.get("dtype") or config.get("torch_dtype") or "bfloat16"
+    return getattr(torch, model if name == "auto" else name)
+
+
+def gemm_rate(config: dict, tokens: int, reps: int, dtype: torch.dtype) -> float:
+    """The best GEMM rate (FLOP/s) in ``dtype`` over the model's projection shapes, ``tokens``
+    rows."""
     best = 0.0
     for k, n in _projections(config):
-        x = torch.randn(tokens, k, dtype=torch.bfloat16)
-        w = torch.randn(n, k, dtype=torch.bfloat16)
+        x = torch.randn(tokens, k, dtype=dtype)
+        w = torch.randn(n, k, dtype=dtype)
         F.linear(x, w)  # warm-up
         for _ in range(reps):
             start = time.perf_counter()
@@ -86,7 +95,8 @@ def main() -> None:
         run = json.loads(path.read_text())
         meta = run["meta"]
         torch.set_num_threads(args.threads or meta["omp_num_threads"])
-        rate = gemm_rate(config, args.tokens, args.reps)
+        dtype = run_dtype(meta, config)
+        rate = gemm_rate(config, args.tokens, args.reps, dtype)
         rows = []
         for r in run["rows"]:
             length, gen = r["context"], meta["gen"]
@@ -109,8 +119,8 @@ def main() -> None:
             })
         out = args.out or path.with_name("prefill_floor.json")
         out.write_text(json.dumps({"run": str(path), "threads": torch.get_num_threads(),
-                                   "rows": rows}, indent=1))
-        print(f"{path} ({torch.get_num_threads()} threads): bf16 GEMM {rate / 1e9:.0f} GFLOP/s")
+                                   "dtype": str(dtype), "rows": rows}, indent=1))
+        print(f"{path} ({torch.get_num_threads()} threads): {dtype} GEMM {rate / 1e9:.0f} GFLOP/s")
         for row in rows:
             prefill = ", ".join(f"{b} {s:.1f} s" for b, s in row["prefill_s"].items())
             print(f"  {row['context']:>6}: {row['prefill_tflop']:.2f} TFLOP per prefill "
