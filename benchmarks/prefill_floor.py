@@ -9,8 +9,9 @@ Every request needs its own prefill of L prompt tokens, and on a CPU a prefill i
 So whatever its batch and however fast its decode, a backend's output tokens/s are at most
 G / P_floor, with G output tokens per request and P_floor = the prefill's FLOPs / the machine's
 GEMM rate: its exact attention and its linear layers both at the rate of the machine's best GEMM
-in the run's dtype, softmax, norms and everything else free. Divided by the default backend's measured output
-tokens/s, that is the largest throughput ratio any CPU implementation could reach in that run.
+in the run's dtype, softmax, norms and everything else free. Divided by the default backend's
+measured output tokens/s, that is the largest throughput ratio any CPU implementation could
+reach in that run.
 
 FLOPs of one prefill, from the model's config: 2 per weight of every layer's projections per
 token; causal attention 2 x h_q x d x L (L + 1) per layer (QK^T and PV over the lower triangle);

@@ -1,4 +1,6 @@
-"""Build a vLLM engine in this (fresh) process, generate greedily, write JSON.
+"""Build a vLLM engine in this (fresh) process, generate greedily, write JSON. With
+VLLM_ENABLE_V1_MULTIPROCESSING=0 (tests/engine_utils.py sets it for one-rank engines) the engine
+core and worker run here too; otherwise in vLLM's own processes.
 
 usage: generate.py REQUEST.json RESULT.json
 REQUEST: {"model", "attention_backend" (or null), "batches": [[prompt, ...], ...],
