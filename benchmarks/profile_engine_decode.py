@@ -40,6 +40,8 @@ def main() -> None:
                         help="profile the prefill steps, not decode steps")
     parser.add_argument("--wall", action="store_true",
                         help="no profiler: wall time per step and per attention layer")
+    parser.add_argument("--dtype", default="auto",
+                        help="the model's dtype (float32 on CPUs without AVX512-BF16)")
     parser.add_argument("--threads", type=int, default=0,
                         help="cores of the engine (0: all of this process's)")
     parser.add_argument("--out", type=Path, required=True)
@@ -59,7 +61,7 @@ def main() -> None:
         kwargs = {"attention_backend": args.method, "worker_extension_cls": EXTENSION_CLASS,
                   "additional_config": {args.method: json.loads(args.settings)}}
     llm = LLM(model=model, max_model_len=args.context + args.steps + 8, enforce_eager=True,
-              enable_prefix_caching=False, seed=0,
+              enable_prefix_caching=False, seed=0, dtype=args.dtype,
               kv_cache_memory_bytes=args.requests * (400 << 20), **kwargs)
     engine = llm.llm_engine
     rng = random.Random(args.context)

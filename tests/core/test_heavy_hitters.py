@@ -21,7 +21,7 @@ def _amx_tiles() -> bool:
 
 def _c_sums_with_lse(dtype: torch.dtype = torch.bfloat16) -> bool:
     """Whether the C column sums that take the rows' LSE run here on dtype inputs (AVX512-BF16:
-    bf16; AVX2: bf16, fp32)."""
+    bf16; AVX2: bf16, fp16, fp32)."""
     q = torch.zeros(1, 1, 64, dtype=dtype)
     return native.library() is not None and native.supports_column_sums_lse(q, q)
 
@@ -64,13 +64,13 @@ def test_chunked_column_sums_equal_one_pass(impl, gqa, chunks, head_dim, given_l
 
 @pytest.mark.parametrize("gqa", [1, 4, 8])
 @pytest.mark.parametrize("chunks, head_dim", CHUNKS)
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_c_column_sums_from_the_lse_equal_one_pass(gqa, chunks, head_dim, dtype, monkeypatch):
-    """The C kernel that takes the rows' LSE (chunks whose attention ran in C: bf16, or fp32 on
-    AVX2), as the engine calls it."""
+    """The C kernel that takes the rows' LSE (chunks whose attention ran in C: bf16, or fp16 and fp32
+    on AVX2), as the engine calls it."""
     if not _c_sums_with_lse(dtype):
         pytest.skip(f"the C column sums take no {dtype} inputs here (AVX512-BF16: bf16; AVX2: "
-                    f"bf16, fp32)")
+                    f"bf16, fp16, fp32)")
     _check_chunked("lse", gqa, chunks, head_dim, True, dtype, monkeypatch, torch.device("cpu"))
 
 

@@ -1,7 +1,7 @@
 """The C prefill attention (csrc/prefill_attention.c) against the fp32 torch reference: whole
 prompts and later chunks after a prefix, lengths on and off its blocks (16 query tokens, 128
 keys), GQA groups 1 to 16, head sizes 64/80/128, keys and values strided as the pages give them,
-bf16 and (where the build takes it: AVX2) fp32 inputs, fresh random inputs each test; and the
+bf16 and (where the build takes them: AVX2) fp16 and fp32 inputs, fresh random inputs each test; and the
 engine's CPU exact attention runs it where it applies."""
 
 import pytest
@@ -18,14 +18,15 @@ pytestmark = pytest.mark.skipif(
 
 
 def takes(dtype: torch.dtype) -> bool:
-    """Whether this build's kernel takes inputs of dtype (bf16 everywhere, fp32 on AVX2)."""
+    """Whether this build's kernel takes inputs of dtype (bf16 everywhere, fp16 and fp32 on AVX2)."""
     return bool(native.library().prefill_attention_dtypes() & 1 << native.DTYPES[dtype])
 
 
-DTYPES = [torch.bfloat16,
-          pytest.param(torch.float32, marks=pytest.mark.skipif(
-              native.library() is None or not takes(torch.float32),
-              reason="fp32 inputs: AVX2 builds (AVX512-BF16 multiplies bf16)"))]
+DTYPES = [torch.bfloat16] + [
+    pytest.param(dtype, marks=pytest.mark.skipif(
+        native.library() is None or not takes(dtype),
+        reason=f"{dtype} inputs: AVX2 builds (AVX512-BF16 multiplies bf16)"))
+    for dtype in (torch.float16, torch.float32)]
 
 SHAPES = [(1, 1), (5, 5), (16, 16), (17, 17), (150, 150), (129, 129), (70, 203), (33, 257),
           (1, 90), (3, 1000)]
@@ -64,6 +65,8 @@ def test_prefill_attention_equals_the_reference(q_len, s_len, group, head_dim, d
         # P is rounded to bf16 before it meets V (as FlashAttention does), the output once more
         torch.testing.assert_close(out.float(), want_out, atol=2e-2, rtol=2e-2)
         assert (out.float() - want_out).abs().mean() < 2e-3
+    elif dtype == torch.float16:  # fp32 throughout, the output rounded to fp16
+        torch.testing.assert_close(out.float(), want_out, atol=1e-3, rtol=1e-3)
     else:  # fp32 throughout
         torch.testing.assert_close(out, want_out, atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(lse, want_lse, atol=1e-4, rtol=1e-4)
@@ -85,7 +88,8 @@ def test_prefill_attention_takes_only_what_it_can():
     assert native.supports_prefill_attention(q, k, v)
     assert native.supports_prefill_attention(q.float(), k.float(), v.float()) == takes(
         torch.float32)
-    assert not native.supports_prefill_attention(q.half(), k.half(), v.half())
+    assert native.supports_prefill_attention(q.half(), k.half(), v.half()) == takes(
+        torch.float16)
     assert not native.supports_prefill_attention(q, k.float(), v.float())  # one dtype
     assert not native.supports_prefill_attention(*_inputs(8, 8, 2, 4, 72))  # d % 16
     assert not native.supports_prefill_attention(*_inputs(8, 8, 1, 32, 64))  # group > 16

@@ -93,7 +93,7 @@ def prefill_in_c(query, key, value) -> bool:
 
 def _cpu_causal_attention(query, key, value, scale) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`causal_attention` on the CPU -> (out, lse ``[Hkv, G, q]`` fp32 or None): in C on
-    AVX512-BF16 dot products (bf16) or AVX2's fp32 FMAs (bf16, fp32) where ``prefill_in_c``
+    AVX512-BF16 dot products (bf16) or AVX2's fp32 FMAs (bf16, fp16, fp32) where ``prefill_in_c``
     (``native.prefill_attention``: 1.7-2.1x vLLM's CPU kernel on AVX512-BF16, which multiplies
     in fp32 without AMX tiles, 1.4-2.1x on AVX2; benchmarks/RESULTS.md, "Prefill attention in
     C", "Prefill attention on AVX2"), else vLLM's own CPU kernel (no LSE), else torch's flash kernel."""

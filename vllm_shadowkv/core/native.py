@@ -402,7 +402,7 @@ def _heads_packed(t: torch.Tensor) -> torch.Tensor:
 def supports_prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
                                ) -> bool:
     """Whether ``prefill_attention`` here takes these: CPU tensors of one dtype the build takes
-    (bf16 on AVX512-BF16; bf16 or fp32 on AVX2, multiplied in fp32 there), a head dimension a
+    (bf16 on AVX512-BF16; bf16, fp16 or fp32 on AVX2, multiplied in fp32 there), a head dimension a
     multiple of 16 up to 512, at most 16 query heads per KV head, at least as many keys as
     queries."""
     (q_len, h_q, head_dim), (s_len, h_kv, _) = query.shape, key.shape

@@ -5,8 +5,8 @@
  * - the products' inputs (`operand`: query rows and softmax weights) and the width of the
  *   softmax's vectors (lanes.h).
  * With AVX512-BF16 the inputs stay bf16, packed into the dot product's pair layouts, on 16
- * lanes; on AVX2 CPUs the same in fp32 on 8 lanes: bf16 or fp32 inputs (an fp32 model, which
- * runs its linear layers faster there), keys and values converted once. */
+ * lanes; on AVX2 CPUs the same in fp32 on 8 lanes: bf16, fp16 or fp32 inputs (an fp32 model,
+ * which runs its linear layers faster there), keys and values converted once. */
 #pragma once
 #include "cpu.h"
 
@@ -111,7 +111,7 @@ static inline void block_scores(const uint16_t *q, int d, int rows, const uint32
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512BF16__)
 #define ROW_TILE 6 /* query rows per S micro-tile (6 x 16 keys: 12 accumulators) */
 #define PACK 1
-#define OPERAND_DTYPES (1 << BF16 | 1 << F32)
+#define OPERAND_DTYPES (1 << BF16 | 1 << F16 | 1 << F32)
 typedef float operand;
 typedef float packed;
 
