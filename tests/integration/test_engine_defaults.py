@@ -2,6 +2,7 @@
 compressed; under vLLM's default backend the plugin says nothing."""
 
 import pytest
+import torch
 from engine_utils import default_settings, generate_in_fresh_process
 
 from vllm_shadowkv.backend.warm_up import WARM_UP_ENV
@@ -35,6 +36,9 @@ def test_defaults_start_and_run_compressed(method, model, key_width, tmp_path):
     assert stats["method"] == method
     # the decode kernels were compiled at start-up (patches/kernel_warm_up.py)
     assert "decode kernels compiled in" in result["log"]
+    # a bf16 model on a CPU whose oneDNN has no bf16 matmul (AVX2) is told to serve fp32
+    slow_linears = not torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    assert ("no bfloat16 matrix multiply in oneDNN" in result["log"]) == slow_linears
     if method == "tailorkv":  # layer 0 quantized, the others fetch their top-k from the store
         assert stats["settings"]["q_layers"] == [0]
         assert requests[0]["bytes_fetched"] > 0 and requests[0]["hits"] > 0

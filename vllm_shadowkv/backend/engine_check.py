@@ -7,6 +7,7 @@ layer or the option and what to change. Never a silent fallback to another backe
 
 from __future__ import annotations
 
+import torch
 from vllm.logger import init_logger
 
 from vllm_shadowkv.backend.layout import PageLayout
@@ -67,6 +68,7 @@ def validate_engine(vllm_config, method: str) -> Stamp:
                        cls.prefix_caching_off)
         cache_config.enable_prefix_caching = False
     check_model(model_config, method, needs_rope=cls.needs_rope)
+    check_cpu_matmul(model_config.dtype, method)
     check_kv_cache_dtype(cache_config.cache_dtype, method)
     parallel = vllm_config.parallel_config
     shapes = KVShapes(
@@ -218,6 +220,29 @@ def check_host_memory(store: int, source: str, host_per_worker: int | None, meth
             f"fit in this host's memory: {human_bytes(host_per_worker)} is available per worker "
             f"now, and the store may use at most {HOST_LIMIT:.0%} of it; lower it (or leave "
             "it unset: the default fits the host)")
+
+
+def check_cpu_matmul(dtype: torch.dtype, method: str) -> None:
+    """A warning, not an error: a 16-bit model on a CPU where oneDNN has no matmul of its dtype
+    (AVX2 CPUs) runs vLLM's linear layers on torch's fallback, at a fifth to a sixth of their
+    fp32 speed (benchmarks/RESULTS.md, "fp16 models' prefill in C on AVX2"). fp32 is then the
+    faster model, and the method's kernels take it."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu() or dtype not in (torch.bfloat16, torch.float16):
+        return
+    if not _onednn_matmul(dtype):
+        name = str(dtype).removeprefix("torch.")
+        logger.warning("%s: this CPU has no %s matrix multiply in oneDNN (no AVX-512), so vLLM's "
+                       "linear layers run several times slower than in float32; serve with "
+                       "--dtype float32 (the plugin's kernels take it)", method, name)
+
+
+def _onednn_matmul(dtype: torch.dtype) -> bool:
+    """Whether torch's oneDNN multiplies dtype on this CPU (as vLLM's CPU linear layers need)."""
+    supported = (torch.ops.mkldnn._is_mkldnn_bf16_supported if dtype == torch.bfloat16
+                 else torch.ops.mkldnn._is_mkldnn_fp16_supported)
+    return bool(supported())
 
 
 def check_kv_cache_dtype(cache_dtype: str, method: str) -> None:
