@@ -70,6 +70,35 @@ def test_method_table():
         method_class("quest")
 
 
+@pytest.mark.parametrize("dtype, onednn, warned", [
+    ("bfloat16", False, True), ("float16", False, True), ("bfloat16", True, False),
+    ("float32", False, False)])
+def test_a_16_bit_model_on_a_cpu_without_its_matmul_is_told_to_serve_fp32(
+        dtype, onednn, warned, monkeypatch, caplog):
+    import torch
+
+    from vllm_shadowkv.backend import engine_check
+
+    monkeypatch.setattr(engine_check, "_onednn_matmul", lambda _: onednn)
+    engine_check.check_cpu_matmul(getattr(torch, dtype), "minikv")
+    assert (f"minikv: this CPU has no {dtype} matrix multiply in oneDNN" in caplog.text) == warned
+    assert ("--dtype float32" in caplog.text) == warned
+
+
+def test_whether_onednn_multiplies_16_bit_is_asked_of_torch(monkeypatch):
+    import torch
+
+    from vllm_shadowkv.backend import engine_check
+
+    assert isinstance(engine_check._onednn_matmul(torch.bfloat16), bool)
+
+    def unknown():
+        raise RuntimeError("no such operator mkldnn::_is_mkldnn_fp16_supported")
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_fp16_supported", unknown)
+    assert engine_check._onednn_matmul(torch.float16)  # torch cannot say: no warning
+
+
 def test_store_size_comes_from_kv_offloading_size_split_per_worker():
     from types import SimpleNamespace
 

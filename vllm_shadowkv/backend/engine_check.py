@@ -225,24 +225,28 @@ def check_host_memory(store: int, source: str, host_per_worker: int | None, meth
 def check_cpu_matmul(dtype: torch.dtype, method: str) -> None:
     """A warning, not an error: a 16-bit model on a CPU where oneDNN has no matmul of its dtype
     (AVX2 CPUs) runs vLLM's linear layers on torch's fallback, at a fifth to a sixth of their
-    fp32 speed (benchmarks/RESULTS.md, "fp16 models' prefill in C on AVX2"). fp32 is then the
-    faster model, and the method's kernels take it."""
+    fp32 speed (benchmarks/RESULTS.md, "fp16 models' prefill in C on AVX2"). An fp32 model then
+    serves faster, and the method's kernels take it."""
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu() or dtype not in (torch.bfloat16, torch.float16):
         return
     if not _onednn_matmul(dtype):
         name = str(dtype).removeprefix("torch.")
-        logger.warning("%s: this CPU has no %s matrix multiply in oneDNN (no AVX-512), so vLLM's "
+        logger.warning("%s: this CPU has no %s matrix multiply in oneDNN, so vLLM's "
                        "linear layers run several times slower than in float32; serve with "
                        "--dtype float32 (the plugin's kernels take it)", method, name)
 
 
 def _onednn_matmul(dtype: torch.dtype) -> bool:
-    """Whether torch's oneDNN multiplies dtype on this CPU (as vLLM's CPU linear layers need)."""
-    supported = (torch.ops.mkldnn._is_mkldnn_bf16_supported if dtype == torch.bfloat16
-                 else torch.ops.mkldnn._is_mkldnn_fp16_supported)
-    return bool(supported())
+    """Whether torch's oneDNN multiplies dtype on this CPU (as vLLM's CPU linear layers need);
+    True where torch cannot say (a build without oneDNN): no warning on a guess."""
+    try:
+        supported = (torch.ops.mkldnn._is_mkldnn_bf16_supported if dtype == torch.bfloat16
+                     else torch.ops.mkldnn._is_mkldnn_fp16_supported)
+        return bool(supported())
+    except (AttributeError, RuntimeError):
+        return True
 
 
 def check_kv_cache_dtype(cache_dtype: str, method: str) -> None:
