@@ -59,3 +59,19 @@ def test_every_method_summarises_committed_runs(tmp_path):
     rows = [line for line in done.stdout.splitlines() if line.startswith("| ")][2:]
     assert sorted(line.split(" | ")[0][2:] for line in rows) == sorted(
         p.parent.name for p in (BENCHMARKS.parent / folder).glob("*/throughput.json"))
+
+
+def test_prefill_floor_measures_the_runs_dtype():
+    """The GEMM floor is measured in the dtype the run served: its --dtype, else the model's."""
+    import importlib.util
+
+    import torch
+
+    spec = importlib.util.spec_from_file_location("prefill_floor",
+                                                  BENCHMARKS / "prefill_floor.py")
+    floor = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(floor)
+    assert floor.run_dtype({"dtype": "float32"}, {"torch_dtype": "bfloat16"}) == torch.float32
+    assert floor.run_dtype({"dtype": "auto"}, {"torch_dtype": "float16"}) == torch.float16
+    assert floor.run_dtype({}, {"dtype": "float32"}) == torch.float32  # newer configs' key
+    assert floor.run_dtype({}, {}) == torch.bfloat16  # the local models'
