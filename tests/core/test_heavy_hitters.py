@@ -66,8 +66,8 @@ def test_chunked_column_sums_equal_one_pass(impl, gqa, chunks, head_dim, given_l
 @pytest.mark.parametrize("chunks, head_dim", CHUNKS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_c_column_sums_from_the_lse_equal_one_pass(gqa, chunks, head_dim, dtype, monkeypatch):
-    """The C kernel that takes the rows' LSE (chunks whose attention ran in C: bf16, or fp16 and fp32
-    on AVX2), as the engine calls it."""
+    """The C kernel that takes the rows' LSE (chunks whose attention ran in C: bf16, or fp16
+    and fp32 on AVX2), as the engine calls it."""
     if not _c_sums_with_lse(dtype):
         pytest.skip(f"the C column sums take no {dtype} inputs here (AVX512-BF16: bf16; AVX2: "
                     f"bf16, fp16, fp32)")

@@ -1,8 +1,8 @@
 """The C prefill attention (csrc/prefill_attention.c) against the fp32 torch reference: whole
 prompts and later chunks after a prefix, lengths on and off its blocks (16 query tokens, 128
 keys), GQA groups 1 to 16, head sizes 64/80/128, keys and values strided as the pages give them,
-bf16 and (where the build takes them: AVX2) fp16 and fp32 inputs, fresh random inputs each test; and the
-engine's CPU exact attention runs it where it applies."""
+bf16 and (where the build takes them: AVX2) fp16 and fp32 inputs, fresh random inputs each test;
+and the engine's CPU exact attention runs it where it applies."""
 
 import pytest
 import torch
@@ -18,7 +18,7 @@ pytestmark = pytest.mark.skipif(
 
 
 def takes(dtype: torch.dtype) -> bool:
-    """Whether this build's kernel takes inputs of dtype (bf16 everywhere, fp16 and fp32 on AVX2)."""
+    """Whether this build's kernel takes inputs of dtype (bf16 everywhere; fp16, fp32 on AVX2)."""
     return bool(native.library().prefill_attention_dtypes() & 1 << native.DTYPES[dtype])
 
 

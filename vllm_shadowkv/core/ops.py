@@ -219,9 +219,10 @@ def top_k_tokens(logits, other_lse, h_kv, k):
 def column_sums(q, k, scale, lse=None):
     """One prefill chunk's H2O column sums. The Triton kernel takes the rows' LSE where the
     engine's paged prefill kernel gave it, and so does the CPU's C kernel (AVX512-BF16: bf16;
-    AVX2: bf16, fp16, fp32) where the chunk's attention ran in C. Otherwise on the CPU the C kernel on
-    AMX tiles (bf16, "auto") and the GEMM tiles elsewhere (``heavy_hitters.gemm_column_sums``,
-    compiled in "auto", eager in "torch") normalise their rows themselves."""
+    AVX2: bf16, fp16, fp32) where the chunk's attention ran in C. Otherwise on the CPU the C
+    kernel on AMX tiles (bf16, "auto") and the GEMM tiles elsewhere
+    (``heavy_hitters.gemm_column_sums``, compiled in "auto", eager in "torch") normalise their
+    rows themselves."""
     if _use_triton(q):
         return _kernels("heavy_hitter_kernels").chunk_column_sums(q, k, scale, lse)
     if q.device.type != "cpu":
