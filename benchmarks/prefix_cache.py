@@ -48,7 +48,7 @@ def child(job: dict) -> dict:
                   "additional_config": {job["backend"]: job["settings"]}}
     llm = LLM(model=job["model"], max_model_len=job["context"] + 256, seed=0, enforce_eager=True,
               enable_prefix_caching=job["prefix_caching"], kv_cache_memory_bytes=job["kv_bytes"],
-              disable_log_stats=False, **kwargs)
+              dtype=job["dtype"], disable_log_stats=False, **kwargs)
     rng = random.Random(0)  # the same document and questions for every engine
     document = [rng.randrange(256) for _ in range(job["context"])]
     questions = [[rng.randrange(256) for _ in range(32)] for _ in range(job["questions"])]
@@ -109,6 +109,9 @@ def main() -> None:
     parser.add_argument("--questions", type=int, default=4)
     parser.add_argument("--gen", type=int, default=8)
     parser.add_argument("--kv-mib", type=int, default=2048)
+    parser.add_argument("--dtype", default="auto",
+                        help="the model's dtype, every engine (vLLM's --dtype; float32 on CPUs "
+                             "without a 16-bit matmul)")
     parser.add_argument("--timeout", type=float, default=1800)
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "prefix_cache")
     parser.add_argument("--child-job", help=argparse.SUPPRESS)
@@ -129,7 +132,8 @@ def main() -> None:
         if args.method == "shadowkv" else {})
     settings |= {"min_sparse_len": min_sparse_len}
     common = {"model": model, "context": args.context, "questions": args.questions,
-              "gen": args.gen, "kv_bytes": args.kv_mib * MiB, "warmup_len": min(args.context, 4096)}
+              "gen": args.gen, "kv_bytes": args.kv_mib * MiB, "dtype": args.dtype,
+              "warmup_len": min(args.context, 4096)}
     jobs = [{"backend": "default", "prefix_caching": True},
             {"backend": args.method, "prefix_caching": True, "settings": settings},
             {"backend": args.method, "prefix_caching": False, "settings": settings}]
@@ -143,6 +147,7 @@ def main() -> None:
             "model": Path(model).name.rsplit("-", 1)[0], "machine": machine(),
             "date": datetime.date.today().isoformat(), "context": args.context,
             "questions": args.questions, "gen": args.gen, "kv_mib": args.kv_mib,
+            "dtype": args.dtype,
             "settings": settings, "wall_s": round(time.perf_counter() - start, 1)}
     ratios = {"warm_ttft_method_over_default": method["warm_s"] / default["warm_s"],
               "warm_over_cold_method": method["warm_s"] / method["cold_s"],

@@ -9,6 +9,7 @@ import torch
 from vllm_shadowkv.core.compress import compress_prompt
 from core_ragged import compress_prompts, rebuild_pre_rope
 from vllm_shadowkv.core.landmarks import chunk_geometry, outlier_chunks
+from vllm_shadowkv.core import lowrank
 from vllm_shadowkv.core.lowrank import factorize_keys
 from vllm_shadowkv.core.params import ShadowKVParams
 from vllm_shadowkv.core.rope import apply_rope
@@ -52,6 +53,18 @@ def test_factorisation_at_engine_sizes_is_the_svd_optimum():
                - flat).norm()
         assert err <= s[rank:].pow(2).sum().sqrt() * (1 + 1e-6) + 1e-5 * flat.norm()
     assert torch.backends.mkldnn.matmul.fp32_precision == before
+
+
+@pytest.mark.parametrize("tokens,width", [(1, 256), (777, 256), (2051, 384), (1000, 1021),
+                                          (513, 1024), (300, 7)])
+def test_gram_from_the_blocks_above_the_diagonal_is_the_whole_product(tokens, width):
+    """The CPU's Gram multiplies only the blocks on and above its diagonal: the whole product,
+    exactly symmetric, for widths that do and do not split evenly (and narrow ones unsplit)."""
+    flat = torch.randn(tokens, width)
+    gram = lowrank._gram(flat)
+    torch.testing.assert_close(gram, flat.T @ flat, atol=1e-4, rtol=1e-5)
+    if width >= lowrank.MIN_BLOCKED_WIDTH:
+        assert torch.equal(gram, gram.T)
 
 
 @pytest.mark.parametrize("failure", ["nan", "not_orthonormal", "no_convergence"])
