@@ -47,8 +47,9 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
-def _time(fn, device, reps):
-    fn()
+def _time(fn, device, reps, warm_up=True):
+    if warm_up:
+        fn()
     _sync(device)
     start = time.perf_counter()
     for _ in range(reps):

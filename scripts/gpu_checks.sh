@@ -7,14 +7,15 @@
 # varlen kernel against its reference (tests/core/test_varlen_attention.py); then the
 # benchmarks at Llama-3.1-8B shapes: the quantized-page decode attention (MiniKV, TailorKV,
 # SpeCache), ShadowKV's decode step, the engine's exact attention (FlashAttention varlen over
-# gathered tokens against the paged Triton kernel and gathered SDPA, time and peak memory) and
-# MiniKV's column sums.
+# gathered tokens against the paged Triton kernel and gathered SDPA, time and peak memory),
+# MiniKV's column sums and ShadowKV's prompt end (its Gram, eigh and the rest against the layer's
+# exact prefill attention: what a cold prefill and a prefix-cache hit add to TTFT).
 # Each phase has its own time limit and a failed phase does not stop the next; ONLY names the
 # phases to run (default all but quant_sweep, the quantized-page kernel's launch settings, and
 # profile_quant, Nsight Compute on that kernel).
 # On an H200: the tests about 260 s with 14 workers (kernel compilation; 2026-11-28), the four
 # benchmarks 80 s, the sweep 65 s, Nsight Compute 40 s; a machine's start about 35 s of device
-# time.
+# time. The prompt end (added 2026-12-07) has not run on a GPU yet.
 #   bash scripts/gpu_checks.sh [RESULTS_DIR]      (default gpu_results/)
 #   ONLY="gpu_tests quant_attention" bash scripts/gpu_checks.sh
 set -uo pipefail
@@ -30,7 +31,7 @@ nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem,driver_version --f
     >"$RESULTS/gpu.txt" 2>&1
 $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" \
     >>"$RESULTS/gpu.txt" 2>&1
-ONLY=${ONLY:-gpu_tests quant_attention decode_step exact_attention heavy_hitters}
+ONLY=${ONLY:-gpu_tests quant_attention decode_step exact_attention heavy_hitters prompt_end}
 phase() {  # phase NAME SECONDS CMD...: run, log to RESULTS/NAME.txt, record the exit status
     local name=$1 limit=$2; shift 2
     [[ " $ONLY " == *" $name "* ]] || return 0
@@ -57,6 +58,8 @@ phase exact_attention 60 $PY benchmarks/bench_exact_attention.py --device cuda -
     --out "$RESULTS/exact_attention_cuda.json"
 phase heavy_hitters 45 $PY benchmarks/bench_heavy_hitters.py --device cuda \
     --lengths 16384,32768 --reps 3 --out "$RESULTS/heavy_hitters_cuda.json"
+phase prompt_end 120 $PY benchmarks/bench_prompt_end.py --device cuda \
+    --contexts 8192,32768,131072 --reps 3 --out "$RESULTS/prompt_end_cuda.json"
 NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)
 phase profile_quant 120 "${NCU:-ncu}" --clock-control none -k regex:_quant_attention_kernel \
     --launch-skip 5 -c 1 --section SpeedOfLight --section Occupancy --section LaunchStats \

@@ -38,6 +38,7 @@ SMOKE_RUNS = {  # the smallest sizes each takes (ShadowKV's store needs a contex
     "bench_layer_decode.py": ["--contexts", "1024", "--batches", "1", "--reps", "1",
                               "--warmup", "0", "--sparse-budget", "64",
                               "--profile-context", "1024", "--profile-batch", "1"],
+    "bench_prompt_end.py": ["--contexts", "1024", "--reps", "1"],
     "prefix_cache.py": ["--context", "1024", "--questions", "2", "--gen", "2"],  # engines
 }
 
