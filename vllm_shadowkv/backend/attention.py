@@ -269,10 +269,13 @@ class EngineImpl(AttentionImpl[EngineMetadata]):
         if m.phases is None:
             m.phases = self._phases(m, layout)
         exact = m.phases.exact
+        # The prompts this step completes: compressed next from the tokens their attention reads
+        read = {i: [] for i, (req, sparse) in enumerate(exact)
+                if sparse and req.seq_len >= req.prompt_len}
         results = exact_attention_step(
             kv_cache, layout, [req for req, _ in exact], query, self.scale,
-            [sparse and method.needs_prefill_lse for _, sparse in exact], m.exact_plans)
-        for (req, sparse), (req_out, lse) in zip(exact, results):
+            [sparse and method.needs_prefill_lse for _, sparse in exact], m.exact_plans, read)
+        for i, ((req, sparse), (req_out, lse)) in enumerate(zip(exact, results)):
             start, end = req.start, req.end
             out[start:end] = req_out
             if not sparse:
@@ -280,7 +283,7 @@ class EngineImpl(AttentionImpl[EngineMetadata]):
             method.prefill_chunk(ctx, req, query[start:end], key[start:end], value[start:end],
                                  lse)
             if req.seq_len >= req.prompt_len:  # this step completed the prompt
-                self._finalize(ctx, req)
+                self._finalize(ctx, req, read.get(i))
         for segment, reqs in enumerate(m.phases.decode_rounds):
             if segment:  # later segments of a long step: their K/V go to the ring now
                 rows = torch.cat([torch.arange(r.start, r.end - r.guess, device=key.device)
@@ -336,10 +339,14 @@ class EngineImpl(AttentionImpl[EngineMetadata]):
                                          guess=guess))
         return rounds
 
-    def _finalize(self, ctx: LayerContext, req: RequestRows) -> None:
-        positions = torch.arange(req.prompt_len, device=ctx.kv_cache.device)
-        keys, values = read_exact(ctx.kv_cache, ctx.layout, req.prompt_len, req.block_ids,
-                                  positions)
+    def _finalize(self, ctx: LayerContext, req: RequestRows, read: list | None) -> None:
+        """Compress the request's prompt: its keys and values as the exact attention ``read``
+        them for the prompt's last chunk, else from the pages."""
+        if read and len(read[0]) == req.prompt_len:
+            keys, values = read
+        else:
+            keys, values = read_exact(ctx.kv_cache, ctx.layout, req.prompt_len, req.block_ids,
+                                      torch.arange(req.prompt_len, device=ctx.kv_cache.device))
         ctx.layout.method.finalize(ctx, req, keys, values)
         STATE.compressed.setdefault(req.req_id, set()).add(ctx.index)
         if ctx.layout.method.settings.measure_fidelity:

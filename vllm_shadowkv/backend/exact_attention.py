@@ -169,13 +169,13 @@ def _vllm_cpu_attention(query, key, value, scale) -> torch.Tensor | None:
 
 
 def exact_attention(kv_cache, layout: PageLayout, prompt_len: int, block_ids, seq_len: int,
-                    query: torch.Tensor, scale: float, with_lse: bool = False
-                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                    query: torch.Tensor, scale: float, with_lse: bool = False,
+                    read: list | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A request's causal attention over its exact pages -> (out, lse): lse ``[h_kv, G, q]``
     fp32 if ``with_lse`` and the kernel gives it, else None. Where the Triton kernels run
     (CUDA), one kernel reads the pages in place and gives the LSE with the output; on the CPU
     the tokens are gathered for the C kernel, which gives it too (vLLM's kernel, where the C
-    one does not apply, gives none)."""
+    one does not apply, gives none); ``read`` gets the gathered keys and values."""
     positions = torch.arange(seq_len, device=query.device)
     if ops.uses_triton(query):
         blocks, slots = layout.exact_token_slots(prompt_len, block_ids, positions)
@@ -183,6 +183,8 @@ def exact_attention(kv_cache, layout: PageLayout, prompt_len: int, block_ids, se
                                               slots, scale)
         return out, lse if with_lse else None
     key, value = read_exact(kv_cache, layout, prompt_len, block_ids, positions)
+    if read is not None:
+        read[:] = key, value
     if query.device.type == "cpu":
         out, lse = _cpu_causal_attention(query, key, value, scale)
         return out, lse if with_lse else None
@@ -198,10 +200,12 @@ IN_PLACE_ROWS = 16
 
 def exact_attention_step(kv_cache, layout: PageLayout, reqs: list[RequestRows],
                          query: torch.Tensor, scale: float, with_lse: list[bool],
-                         plans: dict | None = None
+                         plans: dict | None = None, read: dict | None = None
                          ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
     """`exact_attention` for each of a step's exact requests (prefill chunks, short requests):
-    -> (out [q, Hq, d], lse [h_kv, G, q] fp32 or None) per request.
+    -> (out [q, Hq, d], lse [h_kv, G, q] fp32 or None) per request. ``read`` maps a request's
+    index to a list that receives the keys and values of its sequence where they are gathered
+    (a prompt's last chunk on the CPU: the method compresses those same tokens next).
 
     With FlashAttention (CUDA) in one varlen call, as vLLM's FlashAttention backend runs a step.
     On the CPU the requests with few query rows (decodes) in one call of the in-place decode
@@ -218,7 +222,8 @@ def exact_attention_step(kv_cache, layout: PageLayout, reqs: list[RequestRows],
             by_rows.setdefault(r.end - r.start, []).append(i)
         else:
             results[i] = exact_attention(kv_cache, layout, r.prompt_len, r.block_ids, r.seq_len,
-                                         query[r.start:r.end], scale, with_lse=with_lse[i])
+                                         query[r.start:r.end], scale, with_lse=with_lse[i],
+                                         read=(read or {}).get(i))
     plans = {} if plans is None else plans
     for s_q, index in by_rows.items():
         step = [reqs[i] for i in index]
