@@ -141,3 +141,21 @@ def test_step_through_flash_matches_the_reference():
         want_out, want_lse = _paged_reference(cache, layout, req, query)
         torch.testing.assert_close(out.float(), want_out.float(), atol=2e-2, rtol=2e-2)
         torch.testing.assert_close(lse, want_lse, atol=1e-3, rtol=1e-3)
+
+
+def test_step_hands_over_the_tokens_it_gathered():
+    """``read``: a request whose tokens the CPU step gathers (a chunk past IN_PLACE_ROWS) gets
+    them, its whole sequence as the pages hold it; one attended in place gets nothing."""
+    layout, cache, reqs, query = _step_world("cpu", torch.float32, torch.Generator().manual_seed(5))
+    read = {i: [] for i in range(len(reqs))}
+    exact_attention_step(cache, layout, reqs, query, 0.2, [False] * len(reqs), read=read)
+    in_place = ops.decode_in_place(query, 1, cache)
+    for i, req in enumerate(reqs):
+        if in_place and req.end - req.start <= IN_PLACE_ROWS:
+            assert read[i] == []
+            continue
+        blocks, slots = layout.exact_token_slots(req.prompt_len, req.block_ids,
+                                                 torch.arange(req.seq_len))
+        pages = exact_view(cache, layout)
+        assert torch.equal(read[i][0], pages[blocks, slots, 0])
+        assert torch.equal(read[i][1], pages[blocks, slots, 1])
