@@ -44,7 +44,7 @@ class Engine:
                                   stats=STATE.requests.__getitem__, reference_kv={})
                      for layer in range(layers)]
         self.impl = SimpleNamespace(scale=D ** -0.5, _ring_rounds=EngineImpl._ring_rounds)
-        self.impl._finalize = lambda ctx, req: EngineImpl._finalize(self.impl, ctx, req)
+        self.impl._finalize = lambda ctx, req, read: EngineImpl._finalize(self.impl, ctx, req, read)
         self.impl._phases = lambda m, layout: EngineImpl._phases(self.impl, m, layout)
 
     def step(self, first: int, end: int, guess: tuple[torch.Tensor, ...] | None = None
