@@ -47,8 +47,9 @@ def factorize_keys(keys_pre: torch.Tensor, rank: int) -> tuple[torch.Tensor, tor
 
 def _gram(flat: torch.Tensor, pieces: int = 4) -> torch.Tensor:
     """flat^T flat. On the CPU, where the GEMM's FLOPs bound it, only the blocks on and above the
-    diagonal are multiplied (the rest mirrored): 10 of 16 blocks, 1.3x faster at 16K x 1024 on
-    fp32 (benchmarks/RESULTS.md, "The prompt end's Gram"), the same bits as one product."""
+    diagonal are multiplied (the rest mirrored): 10 of 16 blocks, 1.4x faster at 16K x 1024 in
+    fp32 on a Zen 3, where it gave the same bits as one product (benchmarks/RESULTS.md, "The
+    prompt end's Gram")."""
     if flat.device.type != "cpu" or flat.shape[1] < MIN_BLOCKED_WIDTH:
         return flat.T @ flat
     width = flat.shape[1]
