@@ -110,6 +110,19 @@ def test_fused_cpu_attention_matches_reference(group, s_q, dtype):
         torch.testing.assert_close(lse, ref_lse, **(tol or dict(atol=1e-5, rtol=1e-5)))
 
 
+@pytest.mark.parametrize("mask", [False, True])
+def test_fused_cpu_attention_over_no_keys(mask):
+    """A key set of width 0 (a batch whose requests all lack an exact region): out 0 and lse
+    -inf, as the reference gives, where torch's kernel would divide by zero."""
+    q, k = torch.randn(2, 3, 4, 8), torch.randn(2, 2, 0, 8)
+    key_mask = torch.ones(2, 1, 1, 0, dtype=torch.bool) if mask else None
+    out, lse = attention_with_lse(q, k, k, key_mask, 0.3)
+    ref_out, ref_lse = attention_with_lse_reference(q, k, k, key_mask, 0.3)
+    torch.testing.assert_close(out, ref_out)
+    torch.testing.assert_close(lse, ref_lse)
+    assert not out.any() and bool((lse == float("-inf")).all())
+
+
 def _batch_inputs(lengths, h_kv, group, d, seed):
     torch.manual_seed(seed)
     rope = default_rope(d, 4096)

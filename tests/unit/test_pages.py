@@ -129,18 +129,20 @@ def test_compress_then_sparse_decode_from_pages(full, block_size, rank, ratio):
 # prompt also their outliers (2, 4 and 3 chunks).
 RATIO = dataclasses.replace(SETTINGS, sparse_budget_ratio=0.05)
 RATIOS = dataclasses.replace(RATIO, outlier_ratio=0.03)
+# No outliers and no local window: the prompts of whole chunks (600, 1000) have no exact region.
+NO_EXACT = dataclasses.replace(SETTINGS, outlier_chunks=0, local_window=0)
 
 
 @pytest.mark.parametrize("block_size, rank", LAYOUTS)
-@pytest.mark.parametrize("settings", [SETTINGS, RATIO, RATIOS],
-                         ids=["budget", "ratio", "ratio+outliers"])
+@pytest.mark.parametrize("settings", [SETTINGS, RATIO, RATIOS, NO_EXACT],
+                         ids=["budget", "ratio", "ratio+outliers", "no exact region"])
 def test_batched_decode_equals_each_request_alone(block_size, rank, settings):
     """One ``decode`` call for a ragged batch (different prompt lengths and generated counts,
     one request with two query rows, one finishing mid-way) gives every request exactly what
     it gets decoded alone in its own pages, and leaves the same page contents behind; the
     same with the slots refilled in place and copied out and back, with a budget per prompt
-    (``sparse_budget_ratio``: each request owns its own number of slots) and outliers per
-    prompt (``outlier_ratio``)."""
+    (``sparse_budget_ratio``: each request owns its own number of slots), outliers per
+    prompt (``outlier_ratio``), and requests without an exact region beside one with it."""
     g = torch.Generator().manual_seed(4)
     h, hq, d, steps = 2, 8, 32, 4
     prompts = {"a": 600, "b": 1000, "c": 777}
@@ -150,7 +152,10 @@ def test_batched_decode_equals_each_request_alone(block_size, rank, settings):
     assert owned == ({"a": 3, "b": 6, "c": 4} if settings.sparse_budget_ratio
                      else dict.fromkeys(prompts, 8))
     assert outliers == ({"a": 2, "b": 4, "c": 3} if settings.outlier_ratio
-                        else dict.fromkeys(prompts, 4))
+                        else dict.fromkeys(prompts, settings.outlier_chunks))
+    exact = {r: layout.method.pages.state(p).exact_tokens for r, p in prompts.items()}
+    if settings is NO_EXACT:
+        assert exact == {"a": 0, "b": 0, "c": 1}
     assert layout.method.pages.slots_in_place == LAYOUTS[block_size, rank]
     method, rope = layout.method, rope_for()
     lengths = {r: p + 2 * steps for r, p in prompts.items()}

@@ -27,6 +27,8 @@ def attention_with_lse(
         return attention_with_lse_reference(q, k, v, key_mask, scale)
     batch, s_q, h_q, head_dim = q.shape
     h_kv, width = k.shape[1], k.shape[2]
+    if width == 0:  # torch's kernel divides by the key count
+        return _without_keys(q)
     group = h_q // h_kv
     # The group's query heads (and the step's query tokens) become query rows of their KV head.
     rows = q.reshape(batch, s_q, h_kv, group, head_dim).permute(0, 2, 1, 3, 4)
@@ -86,6 +88,8 @@ def attention_with_lse_reference(
     """q [B, s_q, h_q, d]; k, v [B, h_kv, S, d]; key_mask bool, broadcastable to
     [B, h_kv, s_q, S] (True = attend). -> out [B, s_q, h_q, d] (q's dtype), lse [B, s_q, h_q]
     fp32. A query row with no key gets out 0 and lse -inf."""
+    if k.shape[2] == 0:
+        return _without_keys(q)
     batch, s_q, h_q, head_dim = q.shape
     h_kv = k.shape[1]
     group = h_q // h_kv
@@ -102,6 +106,11 @@ def attention_with_lse_reference(
     out = out.permute(0, 3, 1, 2, 4).reshape(batch, s_q, h_q, head_dim)
     lse = lse.permute(0, 3, 1, 2).reshape(batch, s_q, h_q)
     return out.to(q.dtype), lse
+
+
+def _without_keys(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention over an empty key set: out 0, lse -inf for every query row."""
+    return q.new_zeros(q.shape), torch.full(q.shape[:3], float("-inf"), device=q.device)
 
 
 def decode_masks(exact_width, exact_len, slot_chunks, chunk_size, gen_before, gen_width, s_q):

@@ -279,10 +279,15 @@ class ShadowKVPages:
             return torch.stack([getattr(p, name) for p in plans])
 
         def padded_exact(name: str) -> torch.Tensor:
-            """[h, E] per request, padded with its first row (masked by exact_len)."""
-            per = [getattr(p, name).view(h, -1) for p in plans]
-            return torch.stack([torch.cat([t, t[:1, :1].expand(h, e_max - t.shape[1])], dim=1)
-                                for t in per])
+            """[h, E] per request, padded with its first row (masked by exact_len; finite data,
+            since a masked NaN still poisons the sum). A request with no exact region (no
+            outliers, no local window, a prompt of whole chunks) pads with its first B row."""
+            out = []
+            for p in plans:
+                t = getattr(p, name).view(h, -1)
+                fill = (t if t.shape[1] else p.b.view(1, -1))[:1, :1]
+                out.append(torch.cat([t, fill.expand(h, e_max - t.shape[1])], dim=1))
+            return torch.stack(out)
 
         owned = [p.num_slots for p in plans]
         k = max(owned)
