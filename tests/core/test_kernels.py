@@ -523,8 +523,23 @@ def test_dispatch_routes_to_kernels(monkeypatch, interpreted):
         ops.landmark_scores(*args)
     with ops.kernel_mode("torch"):
         ops.landmark_scores(*args)
-    native_ok = cpu_kernels.available() and native.library() is not None
+    native_ok = native.library() is not None
     assert calls == ["cpu" if native_ok else "torch", "triton", "torch"]
+
+
+@needs_native
+def test_c_kernels_need_no_cpp_compiler(monkeypatch):
+    """A host with a C compiler but no C++ one (inductor's compiled kernels unavailable) still
+    runs the C kernels: they are built by cc."""
+    monkeypatch.setattr(cpu_kernels.shutil, "which", lambda name: None)
+    cpu_kernels.available.cache_clear()
+    try:
+        q = torch.randn(1, 1, 4, 64)
+        rows = torch.randn(10, 64)
+        assert not ops.compiled_cpu(q) and ops.native_cpu(q)
+        assert ops.decode_in_place(q, 1, rows)
+    finally:
+        cpu_kernels.available.cache_clear()
 
 
 @pytest.mark.parametrize("start, n", [(0, 97), (130, 70), (90, 1)])

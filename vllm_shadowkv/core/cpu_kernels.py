@@ -4,13 +4,11 @@ reconstruct.py, critical_channels.py (TailorKV's partial scores), heavy_hitters.
 MiniKV's column sums), and rope.py and landmarks.py (the RoPE inversion and chunk geometry of
 ShadowKV's prompt end).
 
-Eager torch spends these stages copying: the missed A rows gathered by advanced indexing, RoPE
-as a dozen elementwise passes. Here the missed A rows are gathered by ``index_select`` and the
-rest is compiled: the rebuild matmul + RoPE (measured in benchmarks/RESULTS.md). ShadowKV's
-landmark scoring is a C kernel (native.py): compiled, it cost a graph call per request and ran
-at 12 GFLOP/s; so is the attention over KIVI groups (compiled, each bounded block was
-dequantized into memory before two GEMMs: half the C kernel's speed). Tested against the
-references in tests/core/test_kernels.py.
+Eager torch spends these stages copying (RoPE as a dozen elementwise passes). The decode
+step's own kernels are C (native.py): the key rebuild, the landmark scoring (compiled, it cost a
+graph call per request and ran at 12 GFLOP/s) and the attention over KIVI groups (compiled,
+each bounded block was dequantized into memory before two GEMMs: half the C kernel's speed).
+Tested against the references in tests/core/test_kernels.py.
 """
 
 from __future__ import annotations

@@ -210,7 +210,7 @@ class DecodeBatch:
             value_slots = pages.rows, pages.slot_v.flatten(0, 2).index_select(0, self.step_filled)
         else:
             key_slots, key_index, value_slots = self.slot_k, None, None
-            if ops.compiled_cpu(self.slot_v) and self.slot_v.is_contiguous():
+            if ops.native_cpu(self.slot_v) and self.slot_v.is_contiguous():
                 value_slots = self.slot_v.view(-1, c, self.slot_v.shape[-1]), self.step_filled
         ops.rebuild_keys(self.a, self.a_rows, self.a_positions, self.a_start, self.b,
                          self.slot_chunks, miss_slots, miss_count, self.rope, key_slots,

@@ -317,7 +317,8 @@ def assign_slots(slot_chunks, selected):
     slots = slot_chunks.to(torch.int32, copy=True).contiguous()
     miss_slots = torch.empty(*lead, k, dtype=torch.int32)
     miss_count = torch.empty(*lead, dtype=torch.int32)
-    if library().assign_slots(slots.data_ptr(), _int32(selected).data_ptr(), miss_count.numel(),
+    wanted = _int32(selected)  # held: a converted copy must outlive the call
+    if library().assign_slots(slots.data_ptr(), wanted.data_ptr(), miss_count.numel(),
                               k, miss_slots.data_ptr(), miss_count.data_ptr()):
         raise MemoryError("assign_slots: scratch allocation failed")
     return slots, miss_slots, miss_count

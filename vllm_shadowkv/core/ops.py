@@ -64,8 +64,15 @@ def uses_triton(t: torch.Tensor) -> bool:
 
 
 def compiled_cpu(t: torch.Tensor) -> bool:
-    """Whether work on ``t`` goes to the compiled CPU kernels in the current mode."""
-    return _mode == "auto" and t.device.type == "cpu" and cpu_kernels.available()
+    """Whether work on ``t`` goes to the torch.compile'd CPU kernels (cpu_kernels.py, which
+    need a C++ compiler) in the current mode."""
+    return native_cpu(t) and cpu_kernels.available()
+
+
+def native_cpu(t: torch.Tensor) -> bool:
+    """Whether work on ``t`` may go to the C kernels (native.py, which need only a C compiler)
+    in the current mode; each ``native.supports_*`` says whether it takes the inputs."""
+    return _mode == "auto" and t.device.type == "cpu"
 
 
 def invert_rope(x, positions, rope):
@@ -80,7 +87,7 @@ def chunk_geometry(keys, chunk_size):
 
 def landmark_scores(q, landmarks, lm_rows, lm_start, lm_count, max_count, scale):
     impl = (_kernels("select_kernels") if _use_triton(q)
-            else native if compiled_cpu(q) and native.supports_scores(q, landmarks) else select)
+            else native if native_cpu(q) and native.supports_scores(q, landmarks) else select)
     return impl.landmark_scores(q, landmarks, lm_rows, lm_start, lm_count, max_count, scale)
 
 
@@ -92,7 +99,7 @@ def select_chunks(scores, landmark_chunks, lm_start, lm_count, k, slot_count=Non
 def select_slots(scores, landmark_chunks, lm_start, lm_count, k, slot_chunks, slot_count=None):
     """The step's selection and slot assignment: one C call on the CPU, the top-k kernel and
     ``assign_slots`` elsewhere."""
-    if compiled_cpu(scores) and native.supports_select(scores):
+    if native_cpu(scores) and native.supports_select(scores):
         return native.select_slots(scores, landmark_chunks, lm_start, lm_count, k, slot_chunks,
                                    slot_count)
     selected = select_chunks(scores, landmark_chunks, lm_start, lm_count, k, slot_count)
@@ -101,12 +108,12 @@ def select_slots(scores, landmark_chunks, lm_start, lm_count, k, slot_chunks, sl
 
 def assign_slots(slot_chunks, selected):
     """The hit-cache assignment of SpeCache's and TailorKV's tokens to their slots."""
-    impl = native if compiled_cpu(selected) and native.supports_select(selected) else select
+    impl = native if native_cpu(selected) and native.supports_select(selected) else select
     return impl.assign_slots(slot_chunks, selected)
 
 
 def list_misses(slot_chunks, miss_slots, miss_count):
-    impl = native if compiled_cpu(miss_slots) and native.supports_select(miss_slots) else select
+    impl = native if native_cpu(miss_slots) and native.supports_select(miss_slots) else select
     return impl.list_misses(slot_chunks, miss_slots, miss_count)
 
 
@@ -125,7 +132,7 @@ def channel_scores_paged(q, pool, page_offset, page_start, channels, prompt_len,
 
 
 def _native_channels(q, pool) -> bool:
-    return compiled_cpu(q) and native.supports_channel_top_k(q, pool)
+    return native_cpu(q) and native.supports_channel_top_k(q, pool)
 
 
 def reads_channels_in_place(q, pool) -> bool:
@@ -149,7 +156,7 @@ def channel_top_k(q, pool, page_offset, page_start, channels, prompt_len, sink, 
 def rebuild_keys(a, a_rows, a_positions, a_start, b, slot_chunks, miss_slots, miss_count, rope,
                  slot_k, slot_index=None):
     args = (a, a_rows, a_positions, a_start, b, slot_chunks, miss_slots, miss_count, rope, slot_k)
-    if compiled_cpu(slot_k) and native.supports_rebuild(a, b, rope, slot_k):
+    if native_cpu(slot_k) and native.supports_rebuild(a, b, rope, slot_k):
         native.rebuild_keys(*args, slot_index)
     elif slot_index is not None:  # slots where they lie in the pages: the CPU step's only
         reconstruct.rebuild_keys(*args, slot_index)
@@ -161,13 +168,13 @@ def prefill_in_c(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) ->
     """Whether a CPU causal attention of ``query`` over ``key``/``value`` (a prefill chunk) runs
     in C (``native.prefill_attention``, on AVX512-BF16 dot products for bf16 or AVX2's fp32 FMAs
     for bf16 and fp32)."""
-    return compiled_cpu(query) and native.supports_prefill_attention(query, key, value)
+    return native_cpu(query) and native.supports_prefill_attention(query, key, value)
 
 
 def decode_in_place(q: torch.Tensor, s_q: int, rows: torch.Tensor) -> bool:
     """Whether ``decode_attention`` of ``s_q`` rows of ``q`` (``[.., Hq, d]``) over ``rows``
     runs in C, reading the rows in place."""
-    return compiled_cpu(q) and native.supports_decode_attention(q, s_q, rows)
+    return native_cpu(q) and native.supports_decode_attention(q, s_q, rows)
 
 
 def decode_attention(q, rows, k_rows, v_rows, exact_width, exact_len, slot_chunks, chunk_size,
@@ -181,18 +188,18 @@ def decode_attention(q, rows, k_rows, v_rows, exact_width, exact_len, slot_chunk
 
 def scatter_values(staging, staging_start, miss_slots, miss_count, slot_v):
     impl = (_kernels("rebuild_kernels") if _use_triton(slot_v)
-            else cpu_kernels if compiled_cpu(slot_v) else reconstruct)
+            else cpu_kernels if native_cpu(slot_v) else reconstruct)
     impl.scatter_values(staging, staging_start, miss_slots, miss_count, slot_v)
 
 
 def copy_rows(dst, index, src, src_index=None):
     """dst[index[i]] = src[src_index[i]]: the row writes of the slots and the state pages. CUDA
     runs torch's index_copy_ (the reference); the CPU a C loop (cpu_kernels.copy_rows)."""
-    (cpu_kernels if compiled_cpu(dst) else reconstruct).copy_rows(dst, index, src, src_index)
+    (cpu_kernels if native_cpu(dst) else reconstruct).copy_rows(dst, index, src, src_index)
 
 
 def _native_quant(q, groups) -> bool:
-    return compiled_cpu(q) and native.supports_quant_attention(q, groups)
+    return native_cpu(q) and native.supports_quant_attention(q, groups)
 
 
 def quant_attention(q, groups, group_table, group_count, fmt, scale, logits_row=None,
@@ -211,7 +218,7 @@ def quant_logits(q, groups, group_table, group_count, fmt, scale, most_groups=No
 
 def top_k_tokens(logits, other_lse, h_kv, k):
     """SpeCache's top-k: one C call on the CPU, the torch reference elsewhere."""
-    if compiled_cpu(logits) and native.library() is not None:
+    if native_cpu(logits) and native.library() is not None:
         return native.top_k_tokens(logits, other_lse, h_kv, k)
     return mixed_attention.top_k_tokens(logits, other_lse, h_kv, k)
 
@@ -227,9 +234,9 @@ def column_sums(q, k, scale, lse=None):
         return _kernels("heavy_hitter_kernels").chunk_column_sums(q, k, scale, lse)
     if q.device.type != "cpu":
         return heavy_hitters.chunk_column_sums_reference(q, k, scale, lse)
-    if compiled_cpu(q) and lse is not None and native.supports_column_sums_lse(q, k):
+    if native_cpu(q) and lse is not None and native.supports_column_sums_lse(q, k):
         return native.column_sums_lse(q, k, scale, lse)
-    if compiled_cpu(q) and native.supports_column_sums(q, k):
+    if native_cpu(q) and native.supports_column_sums(q, k):
         sums = native.column_sums(q, k, scale)
         if sums is not None:  # (None: no AMX tiles on this CPU)
             return sums

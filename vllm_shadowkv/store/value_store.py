@@ -160,7 +160,7 @@ class CpuValueStore:
         heads, chunks = (t if t.device.type == "cpu" and t.dtype == torch.int64
                          else t.cpu().long() for t in (heads, chunks))
         row_numel = math.prod(self.row_shape)
-        if ops.compiled_cpu(out) and native.supports_store_gather(out, out_rows, self._extents[0],
+        if ops.native_cpu(out) and native.supports_store_gather(out, out_rows, self._extents[0],
                                                                   row_numel):
             bad = native.gather_store_rows(out, out_rows, self._extents[0], self._tables(keys),
                                            counts, heads, chunks, self.page_rows, row_numel)

@@ -102,7 +102,7 @@ class ShadowKVMethod(KVMethod):
         n = len(reqs)
         plan = self._batch_plan(layer, reqs)
         step = self._step_rows(layer, reqs, s_q)
-        in_place = self.pages.slots_in_place and ops.compiled_cpu(layer.kv_cache)
+        in_place = self.pages.slots_in_place and ops.native_cpu(layer.kv_cache)
         cpu_step = self._cpu_step(layer, plan, reqs, s_q, query) if in_place else None
         if cpu_step is not None:  # the whole step in one C call
             k_rows, v_rows = self._attended_rows(layer, step, plan)
