@@ -132,6 +132,7 @@ def test_kv_offloading_size_is_the_host_store(tiny_model):
     explicit = engine_config(tiny_model, kv_offloading_size=2.0,
                              additional_config={"shadowkv": {"value_store_gib": 0.5}})
     assert explicit.additional_config[STAMP_KEY]["store_bytes"] == 1 << 29
+    assert explicit.kv_transfer_config is None  # value_store_gib won; no connector either
 
 
 def test_a_kv_connector_beside_the_host_store_is_refused(tiny_model):

@@ -92,11 +92,13 @@ def validate_engine(vllm_config, method: str) -> Stamp:
     logger.info("%s: host store of up to %s per worker (%s)", method, human_bytes(store), source)
     stamp = Stamp(method, settings, store)
     check_store_fits(PageLayout(stamp.build(shapes)), store, source, method)
-    if cache_config.kv_offloading_size is not None and settings.value_store_gib is None:
-        logger.info("%s: --kv-offloading-size %g GiB is the host store (%s per worker); vLLM's "
-                    "own KV offloading is not started", method, cache_config.kv_offloading_size,
-                    human_bytes(store))
-        cache_config.kv_offloading_size = None  # vLLM would start its offloading connector
+    if cache_config.kv_offloading_size is not None:
+        logger.info("%s: the host store is sized by %s (%s per worker), not vLLM's own KV "
+                    "offloading of --kv-offloading-size %g GiB, which is not started", method,
+                    source, human_bytes(store), cache_config.kv_offloading_size)
+        # Cleared whichever sized the store: vLLM turns it into its offloading connector after
+        # this check, which would move the compressed pages behind the method's back.
+        cache_config.kv_offloading_size = None
     vllm_config.additional_config[STAMP_KEY] = stamp.to_json()
     return stamp
 
