@@ -2,9 +2,11 @@
 reference against per-sequence attention, the CUDA kernel against the reference, and the
 engine's step of exact requests in one call against one call per request."""
 
+import dataclasses
+
 import pytest
 import torch
-from pages_util import make_layout
+from pages_util import SETTINGS, make_layout
 
 from vllm_shadowkv.backend.exact_attention import (IN_PLACE_ROWS, exact_attention_step,
                                                    exact_view, write_exact)
@@ -56,10 +58,14 @@ def test_flash_kernel_matches_the_reference(dtype, group, head_dim):
     torch.testing.assert_close(lse, want_lse, atol=1e-3, rtol=1e-3)
 
 
-def _step_world(device, dtype, generator):
+# ShadowKV's pages at rank 61, block 16: 1,104 elements, not whole rows of head_dim 32.
+STRADDLING = dict(block_size=16, settings=dataclasses.replace(SETTINGS, rank=61))
+
+
+def _step_world(device, dtype, generator, pages=None):
     """Short requests of one step on shared, permuted pages, rows of other requests between
     theirs; a chunk's rows are the last of its context."""
-    layout = make_layout(h=2, d=32, block_size=32, dtype=dtype)
+    layout = make_layout(h=2, d=32, dtype=dtype, **(pages or dict(block_size=32)))
     per_page = layout.exact_per_page
     blocks_each = [layout.exact_blocks(s) for _, s in SEQUENCES]
     cache = torch.zeros(sum(blocks_each) + 3, 1, layout.block_size,
@@ -108,10 +114,13 @@ def test_step_in_one_call_equals_each_request_alone(monkeypatch):
             assert lse is None
 
 
+@pytest.mark.parametrize("pages", [None, STRADDLING], ids=["rows", "straddling"])
 @pytest.mark.parametrize("kernels", ["auto", "torch"])
-def test_step_on_the_cpu_equals_each_request_alone(kernels, monkeypatch):
-    """Without FlashAttention: decode rows in place (one call per row count), chunks alone."""
-    layout, cache, reqs, query = _step_world("cpu", torch.float32, torch.Generator().manual_seed(9))
+def test_step_on_the_cpu_equals_each_request_alone(kernels, pages, monkeypatch):
+    """Without FlashAttention: decode rows in place (one call per row count), chunks alone;
+    where the pages are not whole rows of head_dim, every request gathers."""
+    layout, cache, reqs, query = _step_world("cpu", torch.float32,
+                                             torch.Generator().manual_seed(9), pages)
     with_lse = [True, True, False, True, True, False]
     calls = []
     decode = ops.decode_attention
@@ -120,6 +129,7 @@ def test_step_on_the_cpu_equals_each_request_alone(kernels, monkeypatch):
         got = exact_attention_step(cache, layout, reqs, query, 0.2, with_lse)
         in_place = ops.decode_in_place(query, 1, cache)
     assert in_place == (kernels == "auto" and native.library() is not None)
+    in_place &= pages is None
     # (16, 101), (1, 53) with (1, 29), and (5, 200) attend in place, one call per row count;
     # the others gather for vLLM's kernel.
     assert calls == ([(1, 16, 8, 32), (2, 1, 8, 32), (1, 5, 8, 32)] if in_place else [])

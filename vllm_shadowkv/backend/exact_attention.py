@@ -31,6 +31,7 @@ def exact_rows(kv_cache: torch.Tensor, layout: PageLayout, blocks: torch.Tensor,
     ``blocks``, ``slots`` ``[B, T]`` -> row ids ``[2 (k, v), B, h_kv, T]`` int64 (the same for
     every layer whose pages have this one's size)."""
     pages = exact_view(kv_cache, layout)
+    assert kv_cache.stride(0) % pages.shape[-1] == 0, "the pages are not whole rows of head_dim"
     s_page, s_token, s_kv, s_head = (s // pages.shape[-1] for s in pages.stride()[:4])
     token = (blocks * s_page + slots * s_token).unsqueeze(1)  # [B, 1, T]
     heads = torch.arange(pages.shape[3], device=token.device).view(1, -1, 1) * s_head
@@ -214,11 +215,15 @@ def exact_attention_step(kv_cache, layout: PageLayout, reqs: list[RequestRows],
     one call each."""
     if reqs and ops.flash_varlen(query):
         return _flash_step(kv_cache, layout, reqs, query, scale, with_lse)
-    pool = kv_cache.view(-1, query.shape[-1])
+    # In place only where the pages are whole rows of d (ShadowKV's pages may not be: 16-token
+    # blocks of 54 elements a token at d 64); elsewhere the cache seen as rows would straddle.
+    rows_tile = kv_cache.stride(0) % query.shape[-1] == 0
+    pool = kv_cache.view(-1, query.shape[-1]) if rows_tile else None
     results: list = [None] * len(reqs)
     by_rows: dict[int, list[int]] = {}
     for i, r in enumerate(reqs):
-        if r.end - r.start <= IN_PLACE_ROWS and ops.decode_in_place(query, r.end - r.start, pool):
+        if (rows_tile and r.end - r.start <= IN_PLACE_ROWS
+                and ops.decode_in_place(query, r.end - r.start, pool)):
             by_rows.setdefault(r.end - r.start, []).append(i)
         else:
             results[i] = exact_attention(kv_cache, layout, r.prompt_len, r.block_ids, r.seq_len,
