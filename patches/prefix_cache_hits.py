@@ -1,9 +1,14 @@
-"""End a compressed request's prefix-cache hit before its prompt does.
+"""End a compressed request's prefix-cache hit before its prompt does; tell the manager the
+request's prompt length.
 
 vLLM looks a request up to its last token but one. For a request recomputed after preemption
 that covers its generated tokens too, but a compressed request must prefill its prompt's last
 token itself: that step compresses the prompt (``CompressedKVManager.within_prompt``). Only
-``KVCacheManager.get_computed_blocks`` sees the request, so it cuts the hit there.
+``KVCacheManager.get_computed_blocks`` sees the request, so it cuts the hit there. It is also
+the one call that sees every waiting request before vLLM checks that its whole sequence fits
+(``full_sequence_must_fit``), which comes before ``remove_skipped_blocks`` tells the manager the
+prompt length: the check then sized every request as exact (vLLM passes a prefill end of 0
+unless prefix-cache retention is set, else prompt and output for a recomputed request).
 """
 
 from __future__ import annotations
@@ -26,6 +31,9 @@ def apply() -> None:
 
         blocks, hit_length, boundary = original(self, request)
         managers = self.coordinator.single_type_managers
+        for manager in managers:
+            if isinstance(manager, CompressedKVManager):
+                manager.prompt_len[request.request_id] = request.num_prompt_tokens
         if hit_length and isinstance(managers[0], CompressedKVManager):
             pages, hit_length = managers[0].within_prompt(blocks.blocks[0], hit_length,
                                                           request.num_prompt_tokens)

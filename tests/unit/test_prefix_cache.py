@@ -121,6 +121,29 @@ def test_a_recomputed_compressed_request_prefills_its_last_prompt_page_again(spe
     assert kv.get_computed_blocks(short)[1] == step
 
 
+def test_the_whole_sequence_check_sizes_a_recomputed_request_by_its_prompt(spec):
+    """vLLM checks that a waiting request's whole sequence fits before ``remove_skipped_blocks``
+    tells the manager the prompt length: the lookup does (patches/prefix_cache_hits), so a
+    recomputed compressed request is sized as compressed, not as exact pages of its prompt and
+    output (at these shapes a third of what it needs)."""
+    kv = manager(spec)
+    held = kv.coordinator.single_type_managers[0]
+    first = request("first", list(range(1, 1025)))
+    assert spec.layout.is_sparse(1024)
+    schedule(kv, first)
+    first.append_output_token_ids(list(range(100, 100 + 4 * BLOCK)))
+    kv.free(first)
+    first.num_computed_tokens = 0  # preempted
+    assert first.request_id not in held.prompt_len
+    kv.get_computed_blocks(first)
+    assert held.prompt_len[first.request_id] == 1024
+    sized = held.get_num_blocks_to_allocate(first.request_id, first.num_tokens, [], 0, 0,
+                                            first.num_tokens, prefill_end=0)
+    assert sized == spec.layout.blocks_needed(1024, first.num_tokens)  # not (0, ...): exact
+    kv.free(first)
+    assert first.request_id not in held.prompt_len
+
+
 def test_an_exact_request_shares_its_generated_tokens_as_vllm_does(spec):
     """A short request's pages hold its whole sequence in place: the next turn of a chat (its
     prompt, its answer, a new question) adopts the answer's pages too, as vLLM's blocks are."""
