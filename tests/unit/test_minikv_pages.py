@@ -16,6 +16,7 @@ from vllm_shadowkv.core.heavy_hitters import accumulate_column_sums, select_heav
 from vllm_shadowkv.core.kivi import KiviFormat, dequantize_groups, quantize_groups
 from vllm_shadowkv.methods.base import KVShapes, LayerContext, RequestRows, SettingsError
 from vllm_shadowkv.methods.minikv import MiniKVMethod, MiniKVSettings
+from vllm_shadowkv.methods.minikv import method as minikv_method
 
 LLAMA8B = {"kv_heads": 8, "head": 128, "dtype": torch.bfloat16}
 
@@ -227,19 +228,28 @@ CASES = {
     "score window": MiniKVSettings(score_window=100, min_sparse_len=128, residual=32),
     "score window, pooled": MiniKVSettings(score_window=100, pool=7, min_sparse_len=128,
                                            residual=32),
+    # No heavy hitters: the recent window alone, and no column sums are computed for it.
+    "recent window only": MiniKVSettings(heavy_ratio=0.0, recent_ratio=0.3,
+                                         layer_policy="uniform", min_sparse_len=128,
+                                         residual=32),
 }
 
 
 @pytest.mark.parametrize("mode", ["auto", "torch"])  # the 16-bit rows read in place by C, or
 @pytest.mark.parametrize("case", list(CASES))       # gathered for the torch reference
-def test_decode_from_pages_equals_the_reference(case, mode):
-    """Prefill in chunks (column sums accumulated), finalize into permuted pages, then decode
-    with two folds of the ring: each step equals the reference recomputed from scratch."""
+def test_decode_from_pages_equals_the_reference(case, mode, monkeypatch):
+    """Prefill in chunks (column sums accumulated, unless no heavy hitter is kept), finalize
+    into permuted pages, then decode with two folds of the ring: each step equals the
+    reference recomputed from scratch."""
     settings = CASES[case]
     method = make_method(settings, h=2, d=64, num_layers=3)
     p, gen = 301, 2 * settings.residual + 5
     world = World(method, {"r": (p, gen)})
+    summed = []
+    monkeypatch.setattr(minikv_method, "accumulate_column_sums",
+                        lambda *a: summed.append(1) or accumulate_column_sums(*a))
     world.prefill("r", chunk=128)
+    assert bool(summed) == (settings.heavy_ratio > 0)
     assert not method._scores  # the column sums are freed at finalize
     fmt = method.pages.fmt
     for s in range(p + 1, p + gen + 1):

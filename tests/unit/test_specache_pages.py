@@ -48,6 +48,10 @@ def test_llama8b_shapes_hold_9x_the_default_backends_requests(block_size, contex
     assert context * 4096 * 32 / (layout.steady_blocks(context) * block_bytes) >= 9.0
     # The store holds every quantized prompt token's exact key and value, per layer.
     assert method.store_bytes(0, context) == 8 * context * 2 * 128 * 2
+    # With top_k 0 nothing is fetched back: the store holds nothing, and admits without it.
+    plain = make_method(SpeCacheSettings(top_k=0), LLAMA8B["kv_heads"], LLAMA8B["head"],
+                        block_size, num_layers=32, dtype=LLAMA8B["dtype"], max_len=context)
+    assert plain.store_bytes(0, context) == 0 and PageLayout(plain).store_bytes(context) == 0
 
 
 def low_bit_context(world: World, r: str, seq_len: int):

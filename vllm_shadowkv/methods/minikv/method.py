@@ -1,5 +1,6 @@
 """MiniKV (2-bit layer-discriminative KV cache) on the shared engine: at prompt end each KV head
-keeps its heavy hitters (H2O column sums over the whole prompt) and the recent window, with a
+keeps its heavy hitters (H2O column sums over the prompt or its ``score_window``) and the
+recent window, with a
 budget per layer, quantized KIVI-style into the pages; generated tokens collect in the engine's
 16-bit ring and are quantized every ``residual`` tokens. Decode attends the quantized groups
 (dequantization fused) and the 16-bit rows and ring exactly, merged by their LSE."""
@@ -100,8 +101,9 @@ class MiniKVMethod(KVMethod):
                       lse: torch.Tensor | None = None) -> None:
         """Add the chunk's queries (those in the score window) to the H2O column sums of every
         key so far."""
-        if sum(self.pages.kept(layer.index, req.prompt_len)) == req.prompt_len:
-            return  # the layer keeps the whole prompt: nothing to select
+        heavy, recent = self.pages.kept(layer.index, req.prompt_len)
+        if not heavy or heavy + recent == req.prompt_len:
+            return  # the layer keeps the recent window only, or the whole prompt: no scores
         window = self.settings.score_window
         scored_from = max(0, req.prompt_len - window) if window else 0  # first scoring row
         first = req.seq_len - (req.end - req.start)  # position of the chunk's first row
@@ -123,11 +125,12 @@ class MiniKVMethod(KVMethod):
         prompt_len, h, d = req.prompt_len, self.shapes.num_kv_heads, self.shapes.head_size
         heavy, recent = self.pages.kept(layer.index, prompt_len)
         scores = self._scores.pop((req.req_id, layer.index), None)
-        if heavy + recent < prompt_len:
+        if heavy and heavy + recent < prompt_len:
             kept = select_heavy_hitters(scores, prompt_len, heavy, recent,
                                         self.settings.pool)
-        else:
-            kept = torch.arange(prompt_len, device=keys.device).expand(h, -1)
+        else:  # the recent window only, or the whole prompt
+            kept = torch.arange(prompt_len - heavy - recent, prompt_len,
+                                device=keys.device).expand(h, -1)
         index = kept.unsqueeze(-1).expand(-1, -1, d)
         k = keys.transpose(0, 1).gather(1, index)  # [h, kept, d], positions ascending
         v = values.transpose(0, 1).gather(1, index)

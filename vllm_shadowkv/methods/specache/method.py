@@ -69,6 +69,8 @@ class SpeCacheMethod(MiniKVMethod):
         return self.pages.shape(0, prompt_len).groups * self.settings.group_size
 
     def store_bytes(self, layer: int, prompt_len: int) -> int:
+        if not self.settings.top_k:  # plain KIVI pages: nothing is fetched, nothing stored
+            return 0
         return paged_bytes(self.shapes.num_kv_heads * self._fetchable(prompt_len),
                            2 * self.shapes.head_size * self.shapes.elem_bytes)
 
