@@ -213,6 +213,19 @@ UNSUPPORTED = {
          "first_k_dense_replace": 4, **LLAMA},
         "uses multi-head latent attention (MLA)",
     ),
+    "attention-free": (
+        {"architectures": ["MambaForCausalLM"], "model_type": "mamba", "hidden_size": 256,
+         "state_size": 16, "num_hidden_layers": 2, "vocab_size": 320, "expand": 2,
+         "conv_kernel": 4},
+        "has state-space or linear-attention layers (an attention-free or hybrid model)",
+    ),
+    "hybrid": (
+        {"architectures": ["JambaForCausalLM"], "model_type": "jamba", "attn_layer_period": 2,
+         "attn_layer_offset": 1, "expert_layer_period": 2, "expert_layer_offset": 1,
+         "num_experts": 2, "num_experts_per_tok": 1, "mamba_d_state": 16, "mamba_d_conv": 4,
+         "mamba_expand": 2, "mamba_dt_rank": 16, **LLAMA},
+        "has state-space or linear-attention layers (an attention-free or hybrid model)",
+    ),
     "encoder-decoder": (
         {"architectures": ["WhisperForConditionalGeneration"], "model_type": "whisper",
          "d_model": 256, "encoder_layers": 2, "decoder_layers": 2, "encoder_attention_heads": 4,

@@ -121,7 +121,7 @@ def check_runner(vllm_config, method: str) -> None:
 
 
 def check_parallel(parallel, method: str) -> None:
-    """Tensor parallelism only: the per-layer policies (MiniKV's budgets, TailorKV's q_layers)
+    """Tensor and data parallelism, no pipeline parallelism: the per-layer policies (MiniKV's budgets, TailorKV's q_layers)
     index a worker's layers as the model's, and no pipeline-parallel run was ever tested (vLLM
     0.32's CPU runner fails one even with its own backend)."""
     if parallel.pipeline_parallel_size > 1:
@@ -266,6 +266,12 @@ def check_model(model_config, method: str, needs_rope: bool) -> None:
         raise SettingsError(
             f"model {name} uses multi-head latent attention (MLA); the {method} backend serves "
             "decoder models with standard multi-head / grouped-query attention only"
+        )
+    if model_config.is_attention_free or model_config.is_hybrid:
+        raise SettingsError(
+            f"model {name} has state-space or linear-attention layers (an attention-free or "
+            f"hybrid model); the {method} backend serves models whose every layer is full "
+            "causal attention"
         )
     if model_config.is_encoder_decoder:
         raise SettingsError(
