@@ -36,7 +36,8 @@ logger = logging.getLogger(__name__)
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = sorted(CSRC.glob("*.c"))
 # -ffast-math: the dot products' and sums' loops vectorise (fp32 sums in any order); 512-bit
-# vectors: gcc prefers 256-bit ones on this CPU, and the softmax's exp then ran at half the rate.
+# vectors: gcc prefers 256-bit ones on AVX-512 CPUs, and the softmax's exp then ran at half the
+# rate.
 # Compile flags only: linked with -ffast-math, gcc adds crtfastmath.o, whose constructor turns on
 # flush-to-zero for the whole process (the model's own arithmetic) when the library loads.
 FLAGS = ["-O3", "-ffast-math", "-march=native", "-mprefer-vector-width=512", "-fPIC",
@@ -443,7 +444,8 @@ def quant_attention(q, groups, group_table, group_count, fmt, scale, logits_row=
         None if out is None else out.data_ptr(), DTYPES[q.dtype], lse.data_ptr())
     if failed == 2:
         raise IndexError(f"quant_attention: a group table entry is outside the pool's "
-                         f"{len(groups.key_codes)} groups")
+                         f"{len(groups.key_codes)} groups, or a request's groups overflow the "
+                         f"logits row ({width} wide)")
     if failed:
         raise MemoryError("quant_attention: scratch allocation failed (or outside "
                           "supports_quant_attention())")

@@ -283,7 +283,8 @@ static void scores(const float *qf, int nq, const float *keys, int n, int d, flo
  * out: [B, s_q, h_q, d] of out_dtype; lse: fp32 [B, s_q, h_q] (-inf without groups); with
  * out NULL only the logits are computed (neither softmax nor values).
  * Returns 0; 1 if d or h_q * s_q is over its maximum or a scratch allocation failed; 2 if a
- * table entry is outside the pool's n_pool groups (checked before anything is read). */
+ * table entry is outside the pool's n_pool groups, or a request's groups overflow a logits row
+ * (checked before anything is read or written). */
 int quant_attention(const void *q, int q_dtype, int batch, int s_q, int h_q, int d,
                     const void *const *bases, const int64_t *strides, int64_t n_pool,
                     int param_dtype, int h_kv,
@@ -293,9 +294,11 @@ int quant_attention(const void *q, int q_dtype, int batch, int s_q, int h_q, int
                     float *lse) {
     const int g = h_q / h_kv, nq = s_q * g;
     if (d > MAX_HEAD_DIM || nq > MAX_QUERY_ROWS) return 1;
-    for (int b = 0; b < batch; b++)
+    for (int b = 0; b < batch; b++) {
+        if (logits && (int64_t)count[b] * group > logits_width) return 2;
         for (int e = 0; e < count[b]; e++)
             if (table[b * table_stride + e] < 0 || table[b * table_stride + e] >= n_pool) return 2;
+    }
     struct format f = {.bits = bits, .group = group, .d = d, .value_group = value_group,
                        .words = d / (32 / bits), .param_dtype = param_dtype};
     set_up(&f);
