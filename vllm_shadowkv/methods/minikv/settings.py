@@ -1,7 +1,7 @@
 """The ``minikv`` settings: the paper's defaults (§5.1), and the per-layer budgets they imply.
 
 The prompt length from which a request is compressed is the engine's ``min_sparse_len`` (the
-issue's ``min_compress_len``): one threshold for every method, which the engine's tests set.
+MiniKV's ``min_compress_len``): one threshold for every method.
 """
 
 from __future__ import annotations
@@ -106,6 +106,24 @@ class EveryTokenQuantized:
 
     quantized: ClassVar[bool] = True
     recent_ratio: ClassVar[float] = 1.0
+    BITS: ClassVar[tuple[int, ...]] = (1, 2)
+    GROUP_SIZES: ClassVar[tuple[int, ...]] = (32, 64)  # the quantized-attention kernels' groups
+
+    def check(self) -> None:
+        super().check()
+        one_of(self, "bits", self.BITS)
+        one_of(self, "group_size", self.GROUP_SIZES)
+        at_least(self, "residual", self.group_size)
+        multiple_of(self, "residual", "group_size", "tokens are quantized in whole groups")
+
+    def check_engine(self, shapes: KVShapes) -> None:
+        super().check_engine(shapes)
+        d, per_word = shapes.head_size, 32 // self.bits
+        if d % per_word:
+            raise SettingsError(
+                f"{self.key}.bits {self.bits} packs {per_word} codes per int32 along the "
+                f"channels, which must divide the head size ({d}); allowed here: "
+                f"{', '.join(str(b) for b in self.BITS if d % (32 // b) == 0) or 'none'}")
 
     def heavy_budgets(self, num_layers: int) -> list[float]:
         return [0.0] * num_layers

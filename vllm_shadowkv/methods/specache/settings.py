@@ -10,13 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from vllm_shadowkv.methods.base import (EngineSettings, KVShapes, SettingsError, at_least,
-                                        multiple_of, one_of)
+from vllm_shadowkv.methods.base import EngineSettings, SettingsError, at_least, one_of
 from vllm_shadowkv.methods.minikv.settings import EveryTokenQuantized
 from vllm_shadowkv.methods.specache.guess import ACCEPTING_PROPOSER, PROPOSER
 
-BITS = (1, 2)
-GROUP_SIZES = (32, 64)
 PREFETCH_MODES = ("current", "speculative")
 
 
@@ -74,11 +71,7 @@ class SpeCacheSettings(EveryTokenQuantized, EngineSettings):
     matches. 0: always the guess row's (the paper)."""
 
     def check(self) -> None:
-        super().check()
-        one_of(self, "bits", BITS)
-        one_of(self, "group_size", GROUP_SIZES)
-        at_least(self, "residual", self.group_size)
-        multiple_of(self, "residual", "group_size", "tokens are quantized in whole groups")
+        super().check()  # (bits, group_size, residual: EveryTokenQuantized)
         at_least(self, "top_k", 0)
         at_least(self, "guess_lookup", 0)
         one_of(self, "prefetch", PREFETCH_MODES)
@@ -97,10 +90,3 @@ class SpeCacheSettings(EveryTokenQuantized, EngineSettings):
                 "model": ACCEPTING_PROPOSER if self.accept_guess else PROPOSER,
                 "num_speculative_tokens": 1}
 
-    def check_engine(self, shapes: KVShapes) -> None:
-        d, per_word = shapes.head_size, 32 // self.bits
-        if d % per_word:
-            raise SettingsError(
-                f"specache.bits {self.bits} packs {per_word} codes per int32 along the channels, "
-                f"which must divide the head size ({d}); allowed here: "
-                f"{', '.join(str(b) for b in BITS if d % (32 // b) == 0) or 'none'}")

@@ -13,13 +13,11 @@ from dataclasses import dataclass, replace
 from typing import ClassVar
 
 from vllm_shadowkv.methods.base import (EngineSettings, KVShapes, SettingsError, at_least,
-                                        multiple_of, one_of)
+                                        one_of)
 from vllm_shadowkv.methods.minikv.settings import EveryTokenQuantized
 from vllm_shadowkv.methods.tailorkv.layers import auto_q_layers
 
 AUTO = "auto"
-BITS = (1, 2)
-GROUP_SIZES = (32, 64)  # the quantized-attention kernels' key groups
 CHANNEL_QUERIES = ("current", "predicted")
 
 
@@ -38,8 +36,8 @@ class TailorKVSettings(EveryTokenQuantized, EngineSettings):
     group_size: int = 64
     """KIVI group: 32 or 64 (tokens per key group, channels per value group)."""
     residual: int = 128
-    """Tokens of a Q-layer held 16-bit before they are quantized together (a multiple of
-    group_size)."""
+    """Generated tokens held in the 16-bit ring before they are folded together: quantized in
+    a Q-layer, into 16-bit rows in an S-layer (a multiple of group_size)."""
     sink: int = 8
     """First prompt tokens of an S-layer kept on the GPU pages, always attended."""
     recent: int = 120
@@ -73,10 +71,6 @@ class TailorKVSettings(EveryTokenQuantized, EngineSettings):
                                 f"or {AUTO!r}, got {layers!r}")
         elif len(set(layers)) != len(layers):
             raise SettingsError(f"tailorkv.q_layers lists a layer twice: {list(layers)}")
-        one_of(self, "bits", BITS)
-        one_of(self, "group_size", GROUP_SIZES)
-        at_least(self, "residual", self.group_size)
-        multiple_of(self, "residual", "group_size", "tokens are quantized in whole groups")
         at_least(self, "sink", 0)
         at_least(self, "recent", 0)
         at_least(self, "top_k", 1)
@@ -88,14 +82,11 @@ class TailorKVSettings(EveryTokenQuantized, EngineSettings):
 
 
     def check_engine(self, shapes: KVShapes) -> None:
+        super().check_engine(shapes)  # (bits against the head size: EveryTokenQuantized)
         d = shapes.head_size
         if self.critical_channels > d:
             raise SettingsError(f"tailorkv.critical_channels ({self.critical_channels}) exceeds "
                                 f"the head size ({d}); allowed: 1..{d}")
-        if d % (32 // self.bits):
-            raise SettingsError(
-                f"tailorkv.bits {self.bits} packs {32 // self.bits} codes per int32 along the "
-                f"channels, which must divide the head size ({d})")
         if isinstance(self.q_layers, tuple):
             outside = [i for i in self.q_layers if i >= shapes.num_layers]
             if outside:
