@@ -198,8 +198,9 @@ class EngineImpl(AttentionImpl[EngineMetadata]):
         if found:
             raise ValueError(
                 f"The {facts.stamp.method} attention backend does not support "
-                f"{', '.join(found)}; it serves decoder layers with full causal attention and a "
-                "16-bit KV cache")
+                f"{', '.join(found)}; it serves decoder layers with full causal attention and a KV "
+                f"cache of the model's dtype (--kv-cache-dtype "
+                f"{' / '.join(SUPPORTED_KV_CACHE_DTYPES)})")
         STATE.engine = facts
         keep_freed_memory()
         self.num_heads = num_heads

@@ -1,5 +1,5 @@
-"""Exact attention over a request's exact pages: the engine's path for every method's prefill,
-for short requests and for the final attention of a method that rebuilds exact K/V."""
+"""Exact attention over a request's exact pages: the engine's path for every method's prefill
+and for short requests (and the dense reference of ``measure_fidelity``)."""
 
 from __future__ import annotations
 
@@ -63,8 +63,8 @@ def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
                      scale: float) -> torch.Tensor:
     """The last ``q`` positions of a sequence attend all its ``s`` keys, causally.
 
-    query ``[q, Hq, d]``; key, value ``[s, Hkv, d]`` -> ``[q, Hq, d]``; 16-bit inputs, fp32
-    accumulation. On CUDA FlashAttention's varlen kernel, where torch has it.
+    query ``[q, Hq, d]``; key, value ``[s, Hkv, d]`` -> ``[q, Hq, d]``; the model's dtype in
+    and out, fp32 accumulation. On CUDA FlashAttention's varlen kernel, where torch has it.
     """
     if query.device.type == "cpu":
         return _cpu_causal_attention(query, key, value, scale)[0]

@@ -44,7 +44,10 @@ class EngineFacts:
         stamp = stamp_of(vllm_config)
         if stamp is None:
             raise RuntimeError("vllm-shadowkv: the engine backend was built without the front "
-                               "end's start-up check (no method stamp in additional_config)")
+                               "end's start-up check (no method stamp in additional_config); "
+                               "select a method with --attention-backend (shadowkv, minikv, "
+                               "specache, tailorkv) and install the plugin where the front "
+                               "end runs, so that vLLM loads it there too")
         model_config = vllm_config.model_config
         parallel = vllm_config.parallel_config
         return cls(stamp=stamp, max_model_len=model_config.max_model_len,
@@ -100,7 +103,7 @@ class WorkerState:
     engine: EngineFacts | None = None
     runner_ref: weakref.ref | None = None
     _stores: dict = field(default_factory=dict)  # row shape -> CpuValueStore
-    methods: set = field(default_factory=set)  # the KVMethod of each metadata builder
+    methods: set = field(default_factory=set)  # the KVMethod of each layer (EngineImpl._context)
     # request id -> layers whose prompt is compressed (values in the store)
     compressed: dict[str, set[int]] = field(default_factory=dict)
     requests: dict[str, RequestStats] = field(default_factory=dict)

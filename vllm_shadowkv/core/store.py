@@ -1,7 +1,9 @@
-"""Where the values of compressed chunks live during decode.
+"""Where the host rows a method fetches back live during decode.
 
 The real store (vllm_shadowkv/store/) is a bounded pinned CPU pool; the core only needs this
-protocol. Rows are one chunk of one KV head, [chunk_size, head_dim]: the unit that moves.
+protocol. A row is the unit that moves, of the method's ``store_row_shape``: ShadowKV's one
+chunk of one KV head's values ``[chunk_size, head_dim]`` (the shapes below), SpeCache's and
+TailorKV's one token's key and value ``[2, head_dim]``.
 """
 
 from collections.abc import Hashable

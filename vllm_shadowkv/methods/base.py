@@ -13,7 +13,7 @@ store, per-request stats and admission. A method decides three things:
   (the step that completes the prompt: compress staging into the region and the store) and
   ``decode`` (the steps after: attention from the region, the store and the generated tokens);
 * **its settings**: a frozen dataclass under its own ``--additional-config`` key, with defaults
-  that ``resolve`` may scale to the model.
+  that ``for_model`` and ``resolved`` may scale to the model.
 
 Per-layer policy (a budget per layer, quantized vs offloaded layers) lives in the method: every
 hook gets the layer index, and ``token_bytes`` may differ per layer (vLLM then sizes each layer's
@@ -254,7 +254,8 @@ class KVMethod(ABC):
     def finalize(self, layer: LayerContext, req: RequestRows, keys: torch.Tensor,
                  values: torch.Tensor) -> None:
         """The step that completed the prompt: ``keys``/``values`` ``[prompt_len, h_kv, d]``
-        (post-RoPE, read from the staging pages) go into the method's region and the store."""
+        (post-RoPE; as the prompt's last chunk's exact attention gathered them from the staging
+        pages, else read from them) go into the method's region and the store."""
 
     @abstractmethod
     def decode(self, layer: LayerContext, reqs: list[RequestRows], query: torch.Tensor,

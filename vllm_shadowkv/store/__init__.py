@@ -1,4 +1,5 @@
-"""The CPU value store: where the values of compressed chunks live during decode."""
+"""The CPU value store: the host rows a method fetches back during decode (ShadowKV's chunk
+values, SpeCache's and TailorKV's exact keys and values)."""
 
 from .value_store import PAGE_ROWS, CpuValueStore, ValueStoreFull, paged_bytes
 

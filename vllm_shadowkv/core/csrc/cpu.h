@@ -22,7 +22,8 @@ enum { F32 = 0, BF16 = 1, F16 = 2 };
 #define DOTS_AHEAD 2
 /* and, into L2, this many rows ahead: once the model's weights have swept the caches between
  * layers the rows come from memory, and 2 rows ahead did not cover its latency (the landmark
- * pass, cold: 10-30 % faster at 32K-128K, benchmarks/RESULTS.md, sixty-fifth session) */
+ * pass, cold: 10-30 % faster at 32K-128K; benchmarks/RESULTS.md, "ShadowKV's CPU step of a
+ * layer in one C call") */
 #define DOTS_FAR 16
 
 static inline size_t element_size(int dtype) { return dtype == F32 ? 4 : 2; }
