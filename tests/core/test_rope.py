@@ -92,3 +92,23 @@ def test_a_rotary_embedding_that_takes_more_than_positions_is_refused():
     with pytest.raises(SettingsError, match=r"rotary embedding MRotaryEmbedding rotates by more "
                                             r"than the token's position; the shadowkv backend"):
         rope_of(emb, "shadowkv")
+
+
+def test_a_layer_without_a_rotary_module_is_refused(monkeypatch):
+    """A model implementation whose attention has no ``rotary_emb`` (not vLLM's own classes):
+    ShadowKV cannot rebuild its keys, and says so naming the module, before any step runs."""
+    from types import SimpleNamespace
+
+    from vllm_shadowkv.backend import attention
+    from vllm_shadowkv.methods.shadowkv import ShadowKVMethod
+
+    model = torch.nn.Module()
+    model.add_module("attn", torch.nn.Module())  # no rotary_emb beside the attention layer
+    runner = SimpleNamespace(get_model=lambda: model)
+    monkeypatch.setattr(type(attention.STATE), "runner", property(lambda self: runner))
+    impl = SimpleNamespace(_rope=None)
+    layer = SimpleNamespace(layer_name="attn.attn")
+    with pytest.raises(SettingsError, match=r"attn has no rotary_emb module"):
+        attention.EngineImpl._rope_of(impl, layer, SimpleNamespace(needs_rope=True,
+                                                                    name="shadowkv"))
+    assert ShadowKVMethod.needs_rope

@@ -36,7 +36,7 @@ from vllm_shadowkv.backend.rotary import rope_of
 from vllm_shadowkv.backend.worker_state import STATE, EngineFacts
 from vllm_shadowkv.core.ops import kernel_mode
 from vllm_shadowkv.core.rope import RopeCache
-from vllm_shadowkv.methods.base import KVMethod, LayerContext, RequestRows
+from vllm_shadowkv.methods.base import KVMethod, LayerContext, RequestRows, SettingsError
 
 
 class KVCompressionBackend(AttentionBackend):
@@ -372,12 +372,16 @@ class EngineImpl(AttentionImpl[EngineMetadata]):
 
     def _rope_of(self, layer, method: KVMethod) -> RopeCache | None:
         """The model's own rotary embedding for this layer (backend/rotary.py), for a method
-        that rebuilds keys with it; None for the others (and a model without one, which only
-        those accept)."""
+        that rebuilds keys with it; None for the others."""
         if self._rope is None and method.needs_rope:
             parent = layer.layer_name.rsplit(".", 1)[0]
             rotary = getattr(STATE.runner.get_model().get_submodule(parent), "rotary_emb", None)
-            if rotary is None:
-                return None
+            if rotary is None:  # (start-up checks the config; this is the module vLLM built)
+                raise SettingsError(
+                    f"the {method.name} attention backend rebuilds keys with the model's rotary "
+                    f"embedding, but {parent} has no rotary_emb module (a model implementation "
+                    "vLLM's own classes do not provide, e.g. --model-impl transformers); serve "
+                    "the model with vLLM's implementation or another method (minikv, specache, "
+                    "tailorkv)")
             self._rope = rope_of(rotary, method.name)
         return self._rope
