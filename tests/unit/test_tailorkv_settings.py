@@ -31,7 +31,7 @@ def test_q_layers_from_json_become_a_tuple():
     ({"q_layers": [0, -1]}, "tailorkv.q_layers must be a list of layer indices"),
     ({"q_layers": [0, "1"]}, "tailorkv.q_layers must be a list of layer indices"),
     ({"q_layers": [True]}, "tailorkv.q_layers must be a list of layer indices"),
-    ({"q_layers": [1, 1]}, "lists a layer twice"),
+    ({"q_layers": [0, 1, 1]}, "lists layer(s) [1] more than once"),
     ({"bits": 4}, "tailorkv.bits must be one of 1, 2, got 4"),
     ({"group_size": 0}, "tailorkv.group_size must be one of 32, 64, got 0"),
     ({"residual": 96}, "tailorkv.residual (96) must be a multiple of group_size (64)"),

@@ -5,7 +5,8 @@ varlen kernel where torch has it), CPU tensors to the compiled CPU kernels
 (core/cpu_kernels.py) and the C kernels (core/native.py; both: the references where no C/C++
 compiler is installed). "triton" sends every tensor to the Triton kernels (CPU tensors work only
 under TRITON_INTERPRET=1: how the kernel path is tested inside the CPU engine); "torch" sends
-every tensor to the references.
+every tensor to the references (MiniKV's CPU column sums: to the eager GEMM tiles, which
+normalise their rows themselves).
 """
 
 import contextlib

@@ -311,7 +311,7 @@ class MiniKVMethod(KVMethod):
               ring_k: torch.Tensor, ring_v: torch.Tensor) -> None:
         """The full ring ``[h, residual, d]`` into its growth pages (the next step appends its
         ids to the plan)."""
-        generated = req.seq_len - req.prompt_len
+        generated = req.committed_len - req.prompt_len  # (a guess row is never folded)
         growth = layer.layout.growth_ids(req.prompt_len, generated, req.block_ids)
         ids = self.pages.fold_ids(plan.shape, growth, generated // self.settings.residual - 1)
         if plan.shape.units_per_page:  # a quantized layer

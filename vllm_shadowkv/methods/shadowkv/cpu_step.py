@@ -32,7 +32,6 @@ class CpuStep:
     keys: tuple[Hashable, ...]
     misses: torch.Tensor  # [B] int64, set by each step
     out: torch.Tensor  # [B, s_q, h_q, d]
-    lse: torch.Tensor
     tables: tuple | None = None
 
     @classmethod
@@ -90,13 +89,13 @@ class CpuStep:
             page_rows=store.page_rows, row_numel=c * d,
             **{name: t.data_ptr() for name, t in (tables | buffers).items()})
         return cls(step, (kv_cache, *tables.values(), *buffers.values()), keys,
-                   buffers["misses"], buffers["out"], buffers["lse"])
+                   buffers["misses"], buffers["out"])
 
     def run(self, store: CpuValueStore, q: torch.Tensor, k_rows: torch.Tensor,
             v_rows: torch.Tensor, gen_before: torch.Tensor, scale: float) -> list[int]:
         """One step: q [B, s_q, h_q, d] contiguous of the cache's dtype; k_rows/v_rows
         [B, h, width] int64 (exact region, slots, generated tokens); gen_before [B] int64. The
-        output lands in ``out`` and ``lse``; -> the missed chunks of each request."""
+        output lands in ``out`` (the LSE in its buffer in ``keep``); -> the missed chunks of each request."""
         found = store.gather_tables(self.keys)
         if found is None:  # the batch's plan outlived a request's rows (release drops both)
             raise RuntimeError(f"value store: a request of the batch {self.keys} has no rows")

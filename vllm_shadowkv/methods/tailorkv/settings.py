@@ -70,7 +70,9 @@ class TailorKVSettings(EveryTokenQuantized, EngineSettings):
             raise SettingsError(f"tailorkv.q_layers must be a list of layer indices (ints >= 0) "
                                 f"or {AUTO!r}, got {layers!r}")
         elif len(set(layers)) != len(layers):
-            raise SettingsError(f"tailorkv.q_layers lists a layer twice: {list(layers)}")
+            twice = sorted({i for i in layers if layers.count(i) > 1})
+            raise SettingsError(f"tailorkv.q_layers lists layer(s) {twice} more than once: "
+                                f"{list(layers)}")
         at_least(self, "sink", 0)
         at_least(self, "recent", 0)
         at_least(self, "top_k", 1)
