@@ -121,9 +121,10 @@ def check_runner(vllm_config, method: str) -> None:
 
 
 def check_parallel(parallel, method: str) -> None:
-    """Tensor and data parallelism, no pipeline parallelism: the per-layer policies (MiniKV's budgets, TailorKV's q_layers)
-    index a worker's layers as the model's, and no pipeline-parallel run was ever tested (vLLM
-    0.32's CPU runner fails one even with its own backend)."""
+    """Tensor and data parallelism, no pipeline parallelism: the per-layer policies (MiniKV's
+    budgets, TailorKV's q_layers) index a worker's layers as the model's, and no
+    pipeline-parallel run was ever tested (vLLM 0.32's CPU runner fails one even with its own
+    backend)."""
     if parallel.pipeline_parallel_size > 1:
         raise SettingsError(
             f"the {method} attention backend does not support pipeline parallelism "

@@ -1,7 +1,7 @@
 """The ``minikv`` settings: the paper's defaults (§5.1), and the per-layer budgets they imply.
 
-The prompt length from which a request is compressed is the engine's ``min_sparse_len`` (the
-MiniKV's ``min_compress_len``): one threshold for every method.
+The prompt length from which a request is compressed is the engine's ``min_sparse_len``
+(MiniKV's ``min_compress_len``): one threshold for every method.
 """
 
 from __future__ import annotations

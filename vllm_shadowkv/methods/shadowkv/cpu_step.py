@@ -95,7 +95,8 @@ class CpuStep:
             v_rows: torch.Tensor, gen_before: torch.Tensor, scale: float) -> list[int]:
         """One step: q [B, s_q, h_q, d] contiguous of the cache's dtype; k_rows/v_rows
         [B, h, width] int64 (exact region, slots, generated tokens); gen_before [B] int64. The
-        output lands in ``out`` (the LSE in its buffer in ``keep``); -> the missed chunks of each request."""
+        output lands in ``out`` (the LSE in its buffer in ``keep``); -> the missed chunks of
+        each request."""
         found = store.gather_tables(self.keys)
         if found is None:  # the batch's plan outlived a request's rows (release drops both)
             raise RuntimeError(f"value store: a request of the batch {self.keys} has no rows")
