@@ -1,8 +1,9 @@
 """MiniKV (2-bit layer-discriminative KV cache) on the shared engine: at prompt end each KV head
 keeps its heavy hitters (H2O column sums over the prompt or its ``score_window``) and the
 recent window, with a budget per layer, quantized KIVI-style into the pages; generated tokens
-collect in the engine's 16-bit ring and are quantized every ``residual`` tokens. Decode attends the quantized groups
-(dequantization fused) and the 16-bit rows and ring exactly, merged by their LSE."""
+collect in the engine's 16-bit ring and are quantized every ``residual`` tokens. Decode attends
+the quantized groups (dequantization fused) and the 16-bit rows and ring exactly, merged by
+their LSE."""
 
 from __future__ import annotations
 
