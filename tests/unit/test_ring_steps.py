@@ -4,6 +4,7 @@ prompt end with more generated tokens than the ring holds. The engine writes the
 segment, decodes the generated rows compressed one ring segment at a time, and the result equals
 generating those tokens one step at a time."""
 
+import functools
 from types import SimpleNamespace
 
 import pytest
@@ -44,8 +45,8 @@ class Engine:
                                   stats=STATE.requests.__getitem__, reference_kv={})
                      for layer in range(layers)]
         self.impl = SimpleNamespace(scale=D ** -0.5, _ring_rounds=EngineImpl._ring_rounds)
-        self.impl._finalize = lambda ctx, req, read: EngineImpl._finalize(self.impl, ctx, req, read)
-        self.impl._phases = lambda m, layout: EngineImpl._phases(self.impl, m, layout)
+        self.impl._finalize = functools.partial(EngineImpl._finalize, self.impl)
+        self.impl._phases = functools.partial(EngineImpl._phases, self.impl)
 
     def step(self, first: int, end: int, guess: tuple[torch.Tensor, ...] | None = None
              ) -> tuple[torch.Tensor, torch.Tensor | None]:

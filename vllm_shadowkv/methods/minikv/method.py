@@ -101,8 +101,7 @@ class MiniKVMethod(KVMethod):
                       lse: torch.Tensor | None = None) -> None:
         """Add the chunk's queries (those in the score window) to the H2O column sums of every
         key so far."""
-        heavy, recent = self.pages.kept(layer.index, req.prompt_len)
-        if not heavy or heavy + recent == req.prompt_len:
+        if not self._selects(layer.index, req.prompt_len):
             return  # the layer keeps the recent window only, or the whole prompt: no scores
         window = self.settings.score_window
         scored_from = max(0, req.prompt_len - window) if window else 0  # first scoring row
@@ -118,6 +117,12 @@ class MiniKVMethod(KVMethod):
         self._scores[scores_key] = accumulate_column_sums(
             previous, query[skip:], keys, layer.scale, None if lse is None else lse[..., skip:])
 
+    def _selects(self, layer: int, prompt_len: int) -> bool:
+        """Whether the layer picks heavy hitters among the prompt's tokens (scored while
+        prefilling), rather than keeping the recent window only or the whole prompt."""
+        heavy, recent = self.pages.kept(layer, prompt_len)
+        return heavy > 0 and heavy + recent < prompt_len
+
     def finalize(self, layer: LayerContext, req: RequestRows, keys: torch.Tensor,
                  values: torch.Tensor) -> None:
         """Select the kept tokens per KV head and write them: quantized groups, then the
@@ -125,7 +130,7 @@ class MiniKVMethod(KVMethod):
         prompt_len, h, d = req.prompt_len, self.shapes.num_kv_heads, self.shapes.head_size
         heavy, recent = self.pages.kept(layer.index, prompt_len)
         scores = self._scores.pop((req.req_id, layer.index), None)
-        if heavy and heavy + recent < prompt_len:
+        if self._selects(layer.index, prompt_len):
             kept = select_heavy_hitters(scores, prompt_len, heavy, recent,
                                         self.settings.pool)
         else:  # the recent window only, or the whole prompt
