@@ -85,3 +85,39 @@ def test_a_preempted_request_is_counted_once_with_all_its_traffic():
     assert snap["data_parallel_rank"] == 1
     assert {req_id: s.preemptions for req_id, s in state.finished} == {"a": 1, "b": 1}
     assert not state.requests and not state.suspended
+
+
+def test_another_engine_in_the_process_starts_from_an_empty_state():
+    """A second engine in one process (VLLM_ENABLE_V1_MULTIPROCESSING=0) must not inherit the
+    first's host store (sized by the first's settings), methods, requests or counters; the
+    layers of one engine share its state."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from vllm_shadowkv.backend.worker_state import RequestStats, WorkerState
+
+    def facts(store_bytes):
+        return SimpleNamespace(stamp=SimpleNamespace(method="shadowkv", store_bytes=store_bytes),
+                               data_parallel_rank=0)
+
+    class Config:  # stands in for VllmConfig: the state keeps a weak reference to it
+        pass
+
+    class Method(SimpleNamespace):  # hashable, as the KVMethods in state.methods are
+        __hash__ = object.__hash__
+
+    state, first, second = WorkerState(), Config(), Config()
+    state.begin_engine(facts(1 << 20), first)
+    state.store_for((2, 8), torch.float32)
+    state.methods.add(Method(release=lambda req_id: None))
+    state.requests["0"] = RequestStats(mode="sparse")
+    state.release(["0"])
+    state.begin_engine(facts(1 << 20), first)  # the engine's next layer
+    assert state._stores and state.methods and state.totals["finished_sparse"] == 1
+
+    state.begin_engine(facts(1 << 19), second)
+    assert not state._stores and not state.methods and not state.totals
+    assert not state.finished and state.runner_ref is None
+    assert state.store_for((2, 8), torch.float32).capacity_bytes == 1 << 19
+    assert state.engine.stamp.store_bytes == 1 << 19

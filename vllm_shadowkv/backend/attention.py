@@ -184,7 +184,8 @@ class EngineImpl(AttentionImpl[EngineMetadata]):
         kv_sharing_target_layer_name: str | None = None,
         sinks: torch.Tensor | None = None,
     ) -> None:
-        facts = EngineFacts.from_vllm_config(get_current_vllm_config())
+        vllm_config = get_current_vllm_config()
+        facts = EngineFacts.from_vllm_config(vllm_config)
         unsupported = {
             "ALiBi slopes": alibi_slopes is not None,
             f"sliding window ({sliding_window})": sliding_window is not None,
@@ -201,7 +202,7 @@ class EngineImpl(AttentionImpl[EngineMetadata]):
                 f"{', '.join(found)}; it serves decoder layers with full causal attention and a KV "
                 f"cache of the model's dtype (--kv-cache-dtype "
                 f"{' / '.join(SUPPORTED_KV_CACHE_DTYPES)})")
-        STATE.engine = facts
+        STATE.begin_engine(facts, vllm_config)
         keep_freed_memory()
         self.num_heads = num_heads
         self.head_size = head_size

@@ -101,6 +101,7 @@ class RequestStats:
 @dataclass
 class WorkerState:
     engine: EngineFacts | None = None
+    _config_ref: weakref.ref | None = None  # the VllmConfig of the engine ``engine`` describes
     runner_ref: weakref.ref | None = None
     _stores: dict = field(default_factory=dict)  # row shape -> CpuValueStore
     methods: set = field(default_factory=set)  # the KVMethod of each layer (EngineImpl._context)
@@ -120,6 +121,16 @@ class WorkerState:
     _last_log: float = 0.0
     _last_write: float = 0.0
     _written: dict = field(default_factory=dict)
+
+    def begin_engine(self, facts: EngineFacts, vllm_config) -> None:
+        """Called by each layer's impl as its engine builds the model. The first layer of another
+        engine (a second ``LLM`` in this process with VLLM_ENABLE_V1_MULTIPROCESSING=0) starts
+        from an empty state: the previous engine's stores (sized by its settings), methods (and
+        the pages they hold), requests and counters must not carry over."""
+        if self._config_ref is None or self._config_ref() is not vllm_config:
+            self.__dict__.update(WorkerState().__dict__)
+            self._config_ref = weakref.ref(vllm_config)
+        self.engine = facts
 
     def store(self, method, layer: int = 0) -> CpuValueStore:
         """This worker's host store for the method's rows in ``layer``, created on first use
