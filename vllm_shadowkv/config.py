@@ -35,6 +35,12 @@ def settings_block(additional_config: Any, method: str) -> dict[str, Any]:
     if not isinstance(additional_config, dict):
         raise SettingsError(
             f"additional_config must be a JSON object, got {type(additional_config).__name__}")
+    cased = [k for k in additional_config
+             if isinstance(k, str) and k.lower() in NAMES and k not in NAMES]
+    if cased:
+        raise SettingsError(
+            f"additional_config key(s) {', '.join(map(repr, cased))} would be ignored: the "
+            f"methods' keys are lower case ({', '.join(NAMES)})")
     others = [k for k in additional_config if k in NAMES and k != method]
     if others:
         raise SettingsError(
@@ -69,19 +75,30 @@ def parse_settings(settings_cls: type[EngineSettings], raw: dict[str, Any]) -> E
 
 
 def _typed(key: str, name: str, value: Any, hint) -> Any:
-    allowed = set(typing.get_args(hint)) if isinstance(hint, types.UnionType) else {hint}
+    union = typing.get_origin(hint) in (typing.Union, types.UnionType)
+    allowed = set(typing.get_args(hint)) if union else {hint}
+    # Settings that take words declare them (typing.Literal): a wrong type names them too.
+    words = [w for t in allowed if typing.get_origin(t) is typing.Literal
+             for w in typing.get_args(t)]
     if value is None and type(None) in allowed:
         return None
     if isinstance(value, (list, tuple)) and any(typing.get_origin(t) is tuple for t in allowed):
         return tuple(value)  # a list setting (TailorKV's q_layers): check() sees the items
+    if isinstance(value, str) and value in words:
+        return value
     wants = [t for t in (bool, str, float, int) if t in allowed]
     for want in wants:  # the first type the value is (a setting may take true or a word)
         if _is(value, want):
             return want(value)
-    kind = " or ".join(_KINDS[want] for want in wants)
+    kinds = [_KINDS[want] for want in wants]
+    if words:
+        kinds.append(f"one of {', '.join(map(repr, words))}")
     if any(typing.get_origin(t) is tuple for t in allowed):
-        kind = f"a list or {kind}"
-    raise SettingsError(f"{key}.{name} must be {kind}, got {value!r} ({type(value).__name__})")
+        kinds.insert(0, "a list")
+    if type(None) in allowed:
+        kinds.append("null (unset)")
+    raise SettingsError(f"{key}.{name} must be {' or '.join(kinds)}, got {value!r} "
+                        f"({type(value).__name__})")
 
 
 _KINDS = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}

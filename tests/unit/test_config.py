@@ -41,6 +41,12 @@ def test_a_block_for_another_method_is_an_error():
         settings_block({"minikv": {}}, "shadowkv")
 
 
+def test_a_block_under_a_differently_cased_key_is_not_ignored():
+    with pytest.raises(SettingsError, match="key\\(s\\) 'ShadowKV' would be ignored: the methods' "
+                                            "keys are lower case"):
+        settings_block({"ShadowKV": {"rank": 32}}, "shadowkv")
+
+
 @pytest.mark.parametrize("engine, message", [
     (dict(block=16), None),
     (dict(block=12), "must divide the KV block size (12)"),
@@ -58,8 +64,38 @@ def test_selection_names_the_allowed_modes():
     assert parse_settings(ShadowKVSettings, {"selection": "sink_recent"}).selection == "sink_recent"
     with pytest.raises(SettingsError, match="selection must be one of 'landmarks', 'sink_recent'"):
         parse_settings(ShadowKVSettings, {"selection": "recent"})
-    with pytest.raises(SettingsError, match="selection must be a string"):
+    with pytest.raises(SettingsError, match="selection must be one of 'landmarks', 'sink_recent', "
+                                            "got 1"):
         parse_settings(ShadowKVSettings, {"selection": 1})
+
+
+@pytest.mark.parametrize("method, raw, allowed", [
+    ("shadowkv", {"kernels": 0}, "one of 'auto', 'triton', 'torch', got 0"),
+    ("minikv", {"layer_policy": 2}, "one of 'pyramid', 'uniform', got 2"),
+    ("specache", {"prefetch": True}, "one of 'current', 'speculative', got True"),
+    ("tailorkv", {"channel_query": 1}, "one of 'current', 'predicted', got 1"),
+    ("tailorkv", {"q_layers": 3}, "a list or one of 'auto', got 3"),
+    ("tailorkv", {"top_k_ratio": "x"}, "a number or null \\(unset\\), got 'x'"),
+])
+def test_a_wrong_type_names_what_is_allowed(method, raw, allowed):
+    """A value of the wrong type is told the words a setting takes, not only its type."""
+    [(name, _)] = raw.items()
+    with pytest.raises(SettingsError, match=f"{method}.{name} must be {allowed}"):
+        parse_settings(METHODS[method].settings_cls, raw)
+
+
+@pytest.mark.parametrize("raw", [
+    {"selection": "sink_recent"}, {"kernels": "torch"}, {"value_store_gib": 2}])
+def test_words_and_numbers_pass(raw):
+    [(name, value)] = raw.items()
+    assert getattr(parse_settings(ShadowKVSettings, raw), name) == value
+
+
+@pytest.mark.parametrize("size", [float("inf"), 1e308, float("nan"), 0])
+def test_value_store_size_must_be_finite_and_positive(size):
+    """json.loads takes Infinity: it must be refused with the key named, not overflow later."""
+    with pytest.raises(SettingsError, match="shadowkv.value_store_gib must be a finite number > 0"):
+        parse_settings(ShadowKVSettings, {"value_store_gib": size})
 
 
 def test_method_table():

@@ -48,9 +48,9 @@ def test_explicit_settings_parse():
      r"specache.accept_guess needs prefetch 'speculative'"),
     ({"accept_guess": 1}, r"specache.accept_guess must be true or false"),
     ({"verify_guess": True}, r"specache.verify_guess needs prefetch 'speculative'"),
-    ({"verify_guess": "always"}, r"specache.verify_guess must be one of false, true, 'miss', "
-                                 r"got 'always'"),
-    ({"verify_guess": 1}, r"specache.verify_guess must be true or false or a string, got 1"),
+    ({"verify_guess": "always"}, r"specache.verify_guess must be true or false or one of "
+                                 r"'miss', got 'always'"),
+    ({"verify_guess": 1}, r"specache.verify_guess must be true or false or one of 'miss', got 1"),
     ({"guess_lookup": -1}, r"specache.guess_lookup must be >= 0, got -1"),
     ({"window": 3}, r"unknown specache setting\(s\) 'window'; allowed: .*top_k, prefetch"),
 ])

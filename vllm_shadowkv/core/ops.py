@@ -11,6 +11,7 @@ normalise their rows themselves).
 
 import contextlib
 import importlib.util
+from typing import Literal, get_args
 
 import torch
 
@@ -20,7 +21,8 @@ from . import (attention, cpu_kernels, critical_channels, heavy_hitters, landmar
 from . import rope as rope_ops
 
 _HAS_TRITON = importlib.util.find_spec("triton") is not None
-KERNEL_MODES = ("auto", "triton", "torch")
+KernelMode = Literal["auto", "triton", "torch"]
+KERNEL_MODES = get_args(KernelMode)
 _mode = "auto"
 
 

@@ -2,10 +2,12 @@
 
 import math
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 # "landmarks": the paper's top-k over chunk landmarks. "sink_recent": a naive baseline that
 # ignores the query: the first chunk (attention sinks) plus the most recent chunks.
-SELECTIONS = ("landmarks", "sink_recent")
+Selection = Literal["landmarks", "sink_recent"]
+SELECTIONS = get_args(Selection)
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ same for every layer, since the layers share the block table.
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Hashable
 from dataclasses import dataclass, fields
@@ -30,7 +31,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from vllm_shadowkv.core.ops import KERNEL_MODES
+from vllm_shadowkv.core.ops import KERNEL_MODES, KernelMode
 
 
 class SettingsError(ValueError):
@@ -73,7 +74,7 @@ class EngineSettings:
     """Diagnostic: keep an exact copy of each compressed prompt's K/V in host memory (outside
     every budget: not for production) and record, per layer and decode step, the relative error
     of the compressed attention against dense attention. Generation is unchanged."""
-    kernels: str = "auto"
+    kernels: KernelMode = "auto"
     """"auto": the Triton kernels on CUDA, the compiled CPU kernels on the CPU (torch.compile;
     the references without a C++ compiler); "triton": the Triton kernels on any device (on the
     CPU only under TRITON_INTERPRET=1: the kernel path tested inside the engine); "torch": the
@@ -84,9 +85,10 @@ class EngineSettings:
         at_least(self, "min_sparse_len", 1)
         at_least(self, "max_staging_requests", 1)
         one_of(self, "kernels", KERNEL_MODES)
-        if self.value_store_gib is not None and not self.value_store_gib > 0:
-            raise SettingsError(f"{self.key}.value_store_gib must be > 0 (GiB), got "
-                                f"{self.value_store_gib}")
+        gib = self.value_store_gib  # (json.loads takes Infinity; 1e308 GiB overflows in bytes)
+        if gib is not None and not (gib > 0 and math.isfinite(gib * (1 << 30))):
+            raise SettingsError(f"{self.key}.value_store_gib must be a finite number > 0 (GiB), "
+                                f"got {self.value_store_gib}")
 
     def check_engine(self, shapes: KVShapes) -> None:
         """Checks that need the engine's shapes (per tensor-parallel rank)."""

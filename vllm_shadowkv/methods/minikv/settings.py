@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Literal, get_args
 
 from vllm_shadowkv.core.heavy_hitters import layer_budgets
 from vllm_shadowkv.core.kivi import KiviFormat
@@ -17,7 +17,8 @@ from vllm_shadowkv.methods.base import (EngineSettings, KVShapes, SettingsError,
 
 EXACT_BITS = 16  # "quantization off": kept tokens and folded generated tokens stay 16-bit
 BITS = (2, 4, EXACT_BITS)
-LAYER_POLICIES = ("pyramid", "uniform")
+LayerPolicy = Literal["pyramid", "uniform"]
+LAYER_POLICIES = get_args(LayerPolicy)
 
 
 @dataclass(frozen=True)
@@ -37,7 +38,7 @@ class MiniKVSettings(EngineSettings):
     """Heavy hitters kept per KV head, as a share of the prompt: the mean over the layers."""
     recent_ratio: float = 0.25
     """Recent window kept per KV head in every layer, as a share of the prompt."""
-    layer_policy: str = "pyramid"
+    layer_policy: LayerPolicy = "pyramid"
     """How the heavy-hitter budget is spread over the layers: "pyramid" (linear in the layer,
     the first layer largest, depth 7) or "uniform" (heavy_ratio in every layer)."""
     score_window: int = 0

@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
-from vllm_shadowkv.core.params import SELECTIONS, ShadowKVParams
+from vllm_shadowkv.core.params import SELECTIONS, Selection, ShadowKVParams
 from vllm_shadowkv.methods.base import (EngineSettings, KVShapes, SettingsError, at_least,
                                         multiple_of, one_of)
 
@@ -44,7 +44,7 @@ class ShadowKVSettings(EngineSettings):
     outlier_chunks. Unset: outlier_chunks for every prompt."""
     local_window: int = 32
     """Last prompt tokens always attended exactly."""
-    selection: str = "landmarks"
+    selection: Selection = "landmarks"
     """Which chunks a decode step attends: "landmarks" (ShadowKV: top-k landmark scores for the
     query) or "sink_recent" (a naive baseline for accuracy studies: the first chunk and the most
     recent chunks, whatever the query; set outlier_chunks 0 to give it the whole budget)."""

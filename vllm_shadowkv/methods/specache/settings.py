@@ -8,13 +8,14 @@ KIVI's group size serves keys (tokens per group, one scale and zero per channel)
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Literal, get_args
 
 from vllm_shadowkv.methods.base import EngineSettings, SettingsError, at_least, one_of
 from vllm_shadowkv.methods.minikv.settings import EveryTokenQuantized
 from vllm_shadowkv.methods.specache.guess import ACCEPTING_PROPOSER, PROPOSER
 
-PREFETCH_MODES = ("current", "speculative")
+Prefetch = Literal["current", "speculative"]
+PREFETCH_MODES = get_args(Prefetch)
 
 
 @dataclass(frozen=True)
@@ -33,7 +34,7 @@ class SpeCacheSettings(EveryTokenQuantized, EngineSettings):
     top_k: int = 64
     """Tokens per KV head and layer whose exact 16-bit K/V are fetched from the CPU store and
     attended in place of their low-bit copies; 0: plain KIVI, nothing fetched."""
-    prefetch: str = "current"
+    prefetch: Prefetch = "current"
     """"current": the output token's own attention over the low-bit keys picks the top-k, which
     are fetched, then attention again (one row per step, the fetch in line). "speculative" (the
     paper's default; not ours: on SmolLM2 at 1 bit it garbles the needle digits that "current"
@@ -48,7 +49,7 @@ class SpeCacheSettings(EveryTokenQuantized, EngineSettings):
     attention (nothing is picked ahead). Off: the guess only steers the prefetch and its K/V
     are never kept, as in the paper."""
 
-    verify_guess: bool | str = False
+    verify_guess: bool | Literal["miss"] = False
     """Speculative only. true: the output row still picks its own top-k at every step, and the
     tokens of it that the previous step's guess did not prefetch are fetched in line before
     the attention; the same attention as "current", with most of the fetch ahead of the step.
@@ -76,7 +77,7 @@ class SpeCacheSettings(EveryTokenQuantized, EngineSettings):
         at_least(self, "guess_lookup", 0)
         one_of(self, "prefetch", PREFETCH_MODES)
         if not isinstance(self.verify_guess, bool) and self.verify_guess != "miss":
-            raise SettingsError(f"specache.verify_guess must be one of false, true, 'miss', "
+            raise SettingsError(f"specache.verify_guess must be true or false or one of 'miss', "
                                 f"got {self.verify_guess!r}")
         for name in ("accept_guess", "verify_guess"):
             if getattr(self, name) and self.prefetch != "speculative":

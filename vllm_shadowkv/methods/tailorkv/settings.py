@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import ClassVar
+from typing import ClassVar, Literal, get_args
 
 from vllm_shadowkv.methods.base import (EngineSettings, KVShapes, SettingsError, at_least,
                                         one_of)
@@ -18,7 +18,8 @@ from vllm_shadowkv.methods.minikv.settings import EveryTokenQuantized
 from vllm_shadowkv.methods.tailorkv.layers import auto_q_layers
 
 AUTO = "auto"
-CHANNEL_QUERIES = ("current", "predicted")
+ChannelQuery = Literal["current", "predicted"]
+CHANNEL_QUERIES = get_args(ChannelQuery)
 
 
 @dataclass(frozen=True)
@@ -27,7 +28,7 @@ class TailorKVSettings(EveryTokenQuantized, EngineSettings):
 
     method: ClassVar[str] = "tailorkv"
 
-    q_layers: tuple[int, ...] | str = AUTO
+    q_layers: tuple[int, ...] | Literal["auto"] = AUTO
     """Quantization-friendly layers (KIVI-quantized on the GPU pages): a list of layer indices,
     or "auto" (the paper's set for the model's family, else the layer-profiling command's
     result). Every other layer is sparsity-friendly (offloaded, top-k at decode)."""
@@ -49,7 +50,7 @@ class TailorKVSettings(EveryTokenQuantized, EngineSettings):
     """If set, replaces top_k: the selected tokens as a share of the prompt, in (0, 1]."""
     critical_channels: int = 12
     """Key channels d_s per KV head that score the tokens (largest |q| x max|K|)."""
-    channel_query: str = "current"
+    channel_query: ChannelQuery = "current"
     """Which query picks the critical channels: "current" (the layer's own query) or
     "predicted" (the paper's: the layer's q_proj applied to the previous layer's hidden state)."""
 
