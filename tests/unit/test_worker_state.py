@@ -61,6 +61,36 @@ def test_snapshot_file_at_once_on_lifecycle_and_throttled_while_counters_grow(tm
     assert written()["finished_sparse"] == 1 and written()["selected"] == 30
 
 
+def test_a_stats_directory_that_cannot_be_written_never_fails_a_step(tmp_path, monkeypatch):
+    """A Ray worker on another node gets the front end's directory path (created there only): it
+    creates it; where it cannot be written at all, the metrics are off for the worker, said once."""
+    from types import SimpleNamespace
+    from unittest.mock import Mock
+
+    from vllm_shadowkv.backend.worker_state import STATS_DIR_ENV, RequestStats, WorkerState
+
+    def worker():
+        state = WorkerState()
+        state.engine = SimpleNamespace(stamp=SimpleNamespace(method="shadowkv", store_bytes=1),
+                                       data_parallel_rank=0)
+        state.requests["a"] = RequestStats(mode="sparse")
+        return state
+
+    missing = tmp_path / "not" / "here"
+    monkeypatch.setenv(STATS_DIR_ENV, str(missing))
+    worker().report(Mock())
+    assert len(list(missing.glob("worker-*.json"))) == 1
+
+    (tmp_path / "a_file").write_text("")
+    monkeypatch.setenv(STATS_DIR_ENV, str(tmp_path / "a_file" / "stats"))
+    state, logger = worker(), Mock()
+    state.report(logger)
+    state.requests["b"] = RequestStats()  # a lifecycle change: would be written at once
+    state.report(logger)
+    assert logger.warning.call_count == 1
+    assert "cannot write this worker's metrics" in logger.warning.call_args[0][0]
+
+
 def test_a_preempted_request_is_counted_once_with_all_its_traffic():
     """Preempted (its rows freed, recomputed later) is not finished: the stats wait for the
     request to run again and are counted when it finishes or is aborted."""

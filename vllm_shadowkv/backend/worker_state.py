@@ -121,6 +121,7 @@ class WorkerState:
     _last_log: float = 0.0
     _last_write: float = 0.0
     _written: dict = field(default_factory=dict)
+    _stats_file_failed: bool = False
 
     def begin_engine(self, facts: EngineFacts, vllm_config) -> None:
         """Called by each layer's impl as its engine builds the model. The first layer of another
@@ -235,11 +236,8 @@ class WorkerState:
             return
         self._written, self._last_write = snap, now
         stats_dir = os.environ.get(STATS_DIR_ENV)
-        if stats_dir:
-            path = os.path.join(stats_dir, f"worker-{os.getpid()}.json")
-            with open(path + ".tmp", "w") as f:
-                json.dump(snap, f)
-            os.replace(path + ".tmp", path)
+        if stats_dir and not self._stats_file_failed:
+            self._write_snapshot(stats_dir, snap, logger)
         if now - self._last_log >= LOG_EVERY_S:
             self._last_log = now
             hit_rate = snap["hits"] / snap["selected"] if snap["selected"] else 0.0
@@ -249,6 +247,22 @@ class WorkerState:
                 snap["running_sparse"], snap["running_dense"], snap["finished_sparse"],
                 snap["finished_dense"], 100 * hit_rate, snap["bytes_fetched"] / (1 << 20),
                 human_bytes(snap["store_used_bytes"]), human_bytes(snap["store_capacity_bytes"]))
+
+    def _write_snapshot(self, stats_dir: str, snap: dict, logger) -> None:
+        """The metrics are a side channel: a directory that is missing here (a Ray worker on
+        another node gets the front end's path), unwritable or full turns them off for this
+        worker, with one warning, and never fails the step that serves the requests."""
+        path = os.path.join(stats_dir, f"worker-{os.getpid()}.json")
+        try:
+            os.makedirs(stats_dir, exist_ok=True)
+            with open(path + ".tmp", "w") as f:
+                json.dump(snap, f)
+            os.replace(path + ".tmp", path)
+        except OSError as err:
+            self._stats_file_failed = True
+            logger.warning("%s: cannot write this worker's metrics to %s (%s); its counters are "
+                           "left out of /metrics (requests are served the same)",
+                           snap["method"], stats_dir, err)
 
 
 STATE = WorkerState()
