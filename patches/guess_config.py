@@ -28,8 +28,8 @@ def apply() -> None:
     check_signature(original, _EXPECTED, "EngineArgs.create_speculative_config")
 
     def create_speculative_config(self, target_model_config, target_parallel_config):
-        if self.speculative_config is None and not (self.spec_method or self.spec_model
-                                                    or self.spec_tokens):
+        flags = (self.spec_method, self.spec_model, self.spec_tokens)  # as vLLM: set if not None
+        if self.speculative_config is None and all(flag is None for flag in flags):
             self.speculative_config = needed_speculative_config(self)
         return original(self, target_model_config, target_parallel_config)
 

@@ -22,9 +22,9 @@ def apply() -> None:
 
 
 def _wrap(cls) -> None:
-    from vllm_shadowkv.patches import check_signature
+    from vllm_shadowkv.patches import check_signature, own_attribute
 
-    original = cls.__dict__["compile_or_warm_up_model"]
+    original = own_attribute(cls, "compile_or_warm_up_model")
     if getattr(original, "_shadowkv_original", None) is not None:
         return
     check_signature(original, _EXPECTED, f"{cls.__name__}.compile_or_warm_up_model")

@@ -33,7 +33,9 @@ def apply() -> None:
     cached = KVCacheCoordinator.emit_cached_block_events
     check_signature(cached, _CACHED, "KVCacheCoordinator.emit_cached_block_events")
 
-    def _emit_block_removed_events(self, block_hashes):  # every eviction: imports hoisted
+    def _emit_block_removed_events(self, block_hashes):  # every eviction of a cached page
+        if not self.enable_kv_cache_events:
+            return None  # (vLLM's own first line: nothing to translate)
         from vllm_shadowkv.backend.kv_spec import page_block
 
         named = []

@@ -16,14 +16,14 @@ from __future__ import annotations
 def apply() -> None:
     from vllm.config import VllmConfig
 
-    original = VllmConfig.__dict__["use_v2_model_runner"]
-    if getattr(original.fget, "_shadowkv_original", None) is not None:
-        return
-    if not isinstance(original, property):
-        from vllm_shadowkv.patches import PatchTargetChanged
+    from vllm_shadowkv.patches import PatchTargetChanged, own_attribute
 
+    original = own_attribute(VllmConfig, "use_v2_model_runner")
+    if not isinstance(original, property):
         raise PatchTargetChanged("vllm-shadowkv cannot patch VllmConfig.use_v2_model_runner: it "
                                  "is no longer a property. The installed vLLM is not supported.")
+    if getattr(original.fget, "_shadowkv_original", None) is not None:
+        return
 
     def use_v2_model_runner(self) -> bool:
         from vllm_shadowkv.plugin import selects_plugin

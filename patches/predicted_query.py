@@ -45,12 +45,12 @@ def apply() -> None:
     from vllm.v1.worker.cpu_model_runner import CPUModelRunner
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    from vllm_shadowkv.patches import check_signature
+    from vllm_shadowkv.patches import check_signature, own_attribute
 
     check_signature(LlamaAttention.forward, _FORWARD, "LlamaAttention.forward")  # the hook's
     _register_op()
     for cls in (GPUModelRunner, CPUModelRunner):
-        original = cls.__dict__["load_model"]
+        original = own_attribute(cls, "load_model")
         if getattr(original, "_shadowkv_original", None) is not None:
             continue
         check_signature(original, _EXPECTED[cls.__name__], f"{cls.__name__}.load_model")

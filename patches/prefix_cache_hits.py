@@ -7,8 +7,9 @@ token itself: that step compresses the prompt (``CompressedKVManager.within_prom
 ``KVCacheManager.get_computed_blocks`` sees the request, so it cuts the hit there. It is also
 the one call that sees every waiting request before vLLM checks that its whole sequence fits
 (``full_sequence_must_fit``), which comes before ``remove_skipped_blocks`` tells the manager the
-prompt length: the check then sized every request as exact (vLLM passes a prefill end of 0
-unless prefix-cache retention is set, else prompt and output for a recomputed request).
+prompt length. The check's own prefill end is ``max(prompt, tokens - 1)``: for a request
+recomputed after preemption that counts its output as prompt, and the manager sized it as
+exact pages of its whole sequence.
 """
 
 from __future__ import annotations

@@ -104,6 +104,9 @@ def test_model_runner_v1_is_chosen_for_the_plugin_only(tiny_model, monkeypatch):
 def test_an_explicit_v2_runner_or_graph_partition_is_refused(tiny_model, monkeypatch):
     with pytest.raises(ValueError, match="cannot run with use_inductor_graph_partition"):
         engine_config(tiny_model, compilation_config={"use_inductor_graph_partition": True})
+    with pytest.raises(ValueError, match="--watermark-config needs Model Runner V2 .*; remove "
+                                         "it"):
+        engine_config(tiny_model, watermark_config={"key": 7})
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
     with pytest.raises(ValueError, match="runs on vLLM's Model Runner V1 .* unset "
                                          "VLLM_USE_V2_MODEL_RUNNER=1"):
@@ -282,3 +285,33 @@ def test_tailorkvs_predicted_query_needs_a_llama_family_model(tiny_model, tmp_pa
     with pytest.raises(ValueError, match=r"channel_query 'predicted' needs a Llama-family model "
                                          r".*Qwen2ForCausalLM is Qwen2ForCausalLM"):
         engine_config(str(model), "tailorkv", additional_config=predicted)
+
+
+def test_a_spec_flag_of_zero_is_the_users_not_the_plugins(tiny_model):
+    """vLLM takes --spec-tokens 0 as given (it tests for None): the plugin must not add its
+    guess-row config beside it, which made vLLM report a --speculative-config the user never
+    passed; vLLM's own check of the user's value answers."""
+    with pytest.raises(ValueError) as err:
+        engine_config(tiny_model, backend="specache", spec_tokens=0,
+                      additional_config={"specache": {"prefetch": "speculative"}})
+    assert "mutually exclusive" not in str(err.value)
+    assert "num_speculative_tokens" in str(err.value)
+
+
+def test_streaming_input_sessions_are_refused_per_request(tiny_model):
+    """A session extends its prompt after the pages were laid out for it: each chunk passes
+    through the front end's input processor (resumable), which refuses it as a client error;
+    other requests, and other backends' sessions, are untouched."""
+    from types import SimpleNamespace
+
+    from vllm.exceptions import VLLMValidationError
+    from vllm.v1.engine.input_processor import InputProcessor
+
+    from vllm_shadowkv.patches.streaming_input import refuse_streaming_input
+
+    processor = SimpleNamespace(vllm_config=engine_config(tiny_model, backend="minikv"))
+    with pytest.raises(VLLMValidationError, match="streaming input is not supported by the "
+                                                  "minikv attention backend"):
+        InputProcessor.process_inputs(processor, "r", {"prompt_token_ids": [1]}, None, (),
+                                      resumable=True)
+    refuse_streaming_input(engine_config(tiny_model, backend=None))  # another backend: nothing

@@ -75,6 +75,20 @@ def test_patch_targets_are_checked():
     with pytest.raises(PatchTargetChanged, match="not a supported version"):
         check_signature(moved, ["selected_backend", "attn_selector_config", "num_heads"], "x")
 
+    from vllm_shadowkv.patches import own_attribute
+
+    class Base:
+        def load_model(self):
+            pass
+
+    class Runner(Base):  # a vLLM that stopped overriding the patched method
+        pass
+
+    assert own_attribute(Base, "load_model") is Base.__dict__["load_model"]
+    with pytest.raises(PatchTargetChanged, match="Runner.load_model: the class no longer "
+                                                 "defines it"):
+        own_attribute(Runner, "load_model")
+
 
 def test_patches_are_installed_on_the_live_vllm():
     from vllm.platforms import current_platform
@@ -104,6 +118,9 @@ def test_patches_are_installed_on_the_live_vllm():
     assert KVCacheManager.get_computed_blocks._shadowkv_original is not None  # prefix_cache_hits
     assert BlockPool._emit_block_removed_events._shadowkv_original is not None  # kv_cache_events
     assert KVCacheCoordinator.emit_cached_block_events._shadowkv_original is not None
+    from vllm.v1.engine.input_processor import InputProcessor
+
+    assert InputProcessor.process_inputs._shadowkv_original is not None  # streaming_input
 
 
 def test_released_requests_are_ended_or_suspended():

@@ -75,3 +75,15 @@ def test_compressed_len_is_the_shortest_compressed_prompt_or_none():
     assert compressed_len(layout, 6) == 512
     short = make_layout("specache", {"min_sparse_len": MAX_LEN})
     assert compressed_len(short, 6) is None  # no room for a compressed prompt and its decode
+
+
+def test_the_warm_up_leaves_the_global_random_state_alone():
+    """vLLM seeds the global generator (--seed) after profiling; the warm-up runs after that
+    and must not move it, or sampling without a per-request seed would start elsewhere."""
+    layout = make_layout("shadowkv", {"min_sparse_len": 512, "kernels": "torch"})
+    torch.manual_seed(123)
+    expected = torch.rand(4)
+    torch.manual_seed(123)
+    with torch.inference_mode():
+        scratch(layout, 0, prompt_lens=[512], batches=((0,),)).run()
+    assert torch.equal(torch.rand(4), expected)

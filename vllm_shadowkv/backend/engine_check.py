@@ -112,6 +112,15 @@ def check_runner(vllm_config, method: str) -> None:
         raise SettingsError(
             f"the {method} attention backend runs on vLLM's Model Runner V1 (its runner hook "
             "reads V1's batch state); unset VLLM_USE_V2_MODEL_RUNNER=1")
+    # Features vLLM implements in Model Runner V2 only: on V1 they would silently not happen.
+    v2_only = {"--watermark-config": getattr(vllm_config, "watermark_config", None),
+               "HiSparse (attention_config.hisparse_config)":
+                   getattr(vllm_config.attention_config, "hisparse_config", None)}
+    for name, value in v2_only.items():
+        if value is not None:
+            raise SettingsError(
+                f"the {method} attention backend runs on vLLM's Model Runner V1, and {name} "
+                "needs Model Runner V2 (on V1 it would not happen); remove it")
     if vllm_config.compilation_config.use_inductor_graph_partition:
         raise SettingsError(
             f"the {method} attention backend cannot run with use_inductor_graph_partition: the "

@@ -80,6 +80,9 @@ class ScratchLayer:
                  batches: tuple[tuple[int, ...], ...] = BATCHES) -> None:
         self.layout, self.num_heads, self.batches = layout, num_heads, batches
         self.device, self.dtype = like.device, like.dtype
+        # Its own generator: vLLM seeds the global one after profiling (--seed), and the
+        # warm-up, which runs after that, must not move it.
+        self.generator = torch.Generator(self.device).manual_seed(0)
         if prompt_lens is None:
             first = compressed_len(layout, len(batches) + 1)
             last = layout.shapes.max_model_len - len(batches) - 1
@@ -112,9 +115,9 @@ class ScratchLayer:
     def _rows(self, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Random query, key and value rows (unit-scale, as after RoPE and normalisation)."""
         h_kv, d = self.layout.shapes.num_kv_heads, self.layout.shapes.head_size
-        return (torch.randn(n, self.num_heads, d, device=self.device, dtype=self.dtype),
-                torch.randn(n, h_kv, d, device=self.device, dtype=self.dtype),
-                torch.randn(n, h_kv, d, device=self.device, dtype=self.dtype))
+        return tuple(torch.randn(n, h, d, device=self.device, dtype=self.dtype,
+                                 generator=self.generator)
+                     for h in (self.num_heads, h_kv, h_kv))
 
     def run(self) -> None:
         method, layout = self.layout.method, self.layout
