@@ -311,3 +311,22 @@ def test_decode_step_is_identical_with_the_in_memory_store():
     for key in ids:
         stores[1].free(key)
     assert stores[1].used_bytes == 0
+
+
+@pytest.mark.parametrize("row_shape", [(8, 96), (8, 128), (3, 5)])
+def test_extents_pin_less_than_a_page_beyond_their_pages(row_shape):
+    """Torch's pinned allocator rounds each block up to a power of two bytes: an extent holds
+    the pages that fit in one, so a page of 3 x 2^k bytes (head size 96) does not pin a third
+    more than the store counts. Power-of-two pages keep power-of-two extents."""
+    store = CpuValueStore(5 << 20, torch.bfloat16, row_shape, page_rows=16, pin_memory=False)
+    rows = store.capacity_bytes // store.row_bytes // 16 * 16
+    for i in range(0, rows, 16 * 7):
+        n = min(16 * 7, rows - i)
+        store.put(i, torch.zeros(1, n, *row_shape, dtype=torch.bfloat16))
+    assert store.used_bytes == store.allocated_bytes == store.capacity_bytes
+    for extent in store._extents:
+        nbytes = extent.numel() * extent.element_size()
+        pinned = 1 << (nbytes - 1).bit_length()
+        assert pinned - nbytes < store.page_bytes
+        if store.page_bytes & (store.page_bytes - 1) == 0:
+            assert nbytes == pinned

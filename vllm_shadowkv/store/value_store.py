@@ -68,7 +68,6 @@ class CpuValueStore:
         self.row_bytes = math.prod(row_shape) * dtype.itemsize
         self.page_bytes = page_rows * self.row_bytes
         self._max_pages = capacity_bytes // self.page_bytes  # whole pages, never above capacity
-        self._max_extent_pages = _pow2_floor(max(1, _MAX_EXTENT_BYTES // self.page_bytes))
         self._extents: list[torch.Tensor] = []  # [rows, *row_shape] each
         self._page_extent: list[int] = []  # by global page id
         self._page_base: list[int] = []
@@ -282,14 +281,17 @@ class CpuValueStore:
 
     def _grow(self, num_pages: int) -> None:
         """Allocate extents until `num_pages` pages are free; the caller checked the capacity.
-        An extent is at least the pool so far (doubling), at most 1 GiB, and a power of two
-        pages: torch's pinned allocator rounds every block up to a power of two bytes, so with
-        the usual power-of-two page size nothing is pinned beyond `allocated_bytes`."""
+        An extent holds the pages that fit in a power of two bytes: at least the pool so far
+        (doubling) where the capacity left allows, at most 1 GiB. Torch's pinned allocator
+        rounds every block up to a power of two bytes, so whatever the page size (head size 96
+        gives 3 x 2^k bytes) an extent pins less than one page beyond its pages."""
         while len(self._free) < num_pages:
             allocated = len(self._page_extent)
-            want = max(num_pages - len(self._free), allocated)
-            size = min(1 << (want - 1).bit_length(), self._max_extent_pages,
-                       _pow2_floor(self._max_pages - allocated))
+            want = max(num_pages - len(self._free), allocated) * self.page_bytes
+            left = self._max_pages - allocated
+            target = min(1 << (want - 1).bit_length(), _MAX_EXTENT_BYTES,
+                         _pow2_floor(left * self.page_bytes))
+            size = min(max(1, target // self.page_bytes), left)
             extent_id = len(self._extents)
             self._extents.append(torch.empty((size * self.page_rows, *self.row_shape),
                                              dtype=self.dtype,
