@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -73,5 +74,9 @@ def _log_tail(log_path: Path) -> str:
 def post_json(url: str, body: dict, timeout: float = 300, headers: dict | None = None) -> dict:
     request = urllib.request.Request(url, json.dumps(body).encode(),
                                      {"Content-Type": "application/json", **(headers or {})})
-    with urllib.request.urlopen(request, timeout=timeout) as response:
-        return json.loads(response.read())
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return json.loads(response.read())
+    except urllib.error.HTTPError as error:  # the server's reason is in the body
+        raise RuntimeError(f"POST {url}: HTTP {error.code}: "
+                           f"{error.read().decode(errors='replace')[:2000]}") from error

@@ -66,7 +66,8 @@ class EngineSettings:
     """Context length (tokens) from which a request is compressed; shorter ones stay exact."""
     value_store_gib: float | None = None
     """CPU store size per worker in GiB. Unset: vLLM's --kv-offloading-size split over the
-    tensor-parallel ranks, or 16 GiB per worker when that is unset too."""
+    tensor-parallel ranks, or 16 GiB per worker when that is unset too (at most half the host
+    memory available to each worker of the node)."""
     max_staging_requests: int = 1
     """Long prompts held exactly at once while they are prefilled, before compression: bounds
     the transient full-size KV of compressions in flight. More wait for their turn."""
