@@ -9,7 +9,6 @@ recomputed from scratch, so its old values are stale).
 from __future__ import annotations
 
 import functools
-import weakref
 
 _EXPECTED = ["self", "scheduler_output"]
 
@@ -27,7 +26,7 @@ def apply() -> None:
     def _update_states(self, scheduler_output):
         from vllm_shadowkv.backend.worker_state import STATE
 
-        STATE.runner_ref = weakref.ref(self)
+        STATE.attach(self)
         STATE.release(*released_requests(scheduler_output))
         STATE.guesses = guess_rows(self, scheduler_output)
         STATE.report(_logger())

@@ -151,3 +151,35 @@ def test_another_engine_in_the_process_starts_from_an_empty_state():
     assert not state.finished and state.runner_ref is None
     assert state.store_for((2, 8), torch.float32).capacity_bytes == 1 << 19
     assert state.engine.stamp.store_bytes == 1 << 19
+
+
+def test_an_engine_of_another_backend_drops_the_plugins_state():
+    """A runner whose config has no method stamp (another backend's engine after a plugin one,
+    in one process) must not keep the earlier engine's store allocated or its counters
+    reported; a plugin engine's runner keeps its state."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from vllm_shadowkv.backend.worker_state import RequestStats, WorkerState
+    from vllm_shadowkv.config import STAMP_KEY, Stamp
+    from vllm_shadowkv.methods.shadowkv import ShadowKVSettings
+
+    class Runner(SimpleNamespace):
+        pass
+
+    state = WorkerState()
+    state.engine = SimpleNamespace(stamp=SimpleNamespace(method="shadowkv", store_bytes=1 << 20),
+                                   data_parallel_rank=0)
+    state.store_for((2, 8), torch.float32)
+    state.requests["0"] = RequestStats(mode="sparse")
+    stamp = Stamp("shadowkv", ShadowKVSettings(), 1 << 20).to_json()
+    ours = Runner(vllm_config=SimpleNamespace(additional_config={STAMP_KEY: stamp}))
+    state.attach(ours)
+    state.attach(ours)
+    assert state._stores and state.requests and state.runner is ours
+
+    other = Runner(vllm_config=SimpleNamespace(additional_config={}))
+    state.attach(other)
+    assert state.engine is None and not state._stores and not state.requests
+    assert state.runner is other

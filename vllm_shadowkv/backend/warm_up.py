@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 import time
-import weakref
 from collections import defaultdict
 
 import torch
@@ -40,7 +39,7 @@ def warm_up(runner) -> float | None:
     if os.environ.get(WARM_UP_ENV, "1") == "0":
         return None
     start = time.perf_counter()
-    STATE.runner_ref = weakref.ref(runner)  # the layers' RoPE is looked up through it
+    STATE.attach(runner)  # the layers' RoPE is looked up through it
     seen, warmed = set(), 0
     for layer in runner.compilation_config.static_forward_context.values():
         impl = getattr(layer, "impl", None)

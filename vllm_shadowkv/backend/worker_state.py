@@ -133,6 +133,16 @@ class WorkerState:
             self._config_ref = weakref.ref(vllm_config)
         self.engine = facts
 
+    def attach(self, runner) -> None:
+        """Each step, before the runner updates its batch (``patches/runner_requests.py``). A
+        new runner of an engine without the plugin's methods (another backend's engine after a
+        plugin one, in one process) drops the earlier engine's state: its host store would
+        stay allocated and its counters reported."""
+        if self.runner_ref is None or self.runner_ref() is not runner:
+            if self.engine is not None and stamp_of(runner.vllm_config) is None:
+                self.__dict__.update(WorkerState().__dict__)
+        self.runner_ref = weakref.ref(runner)
+
     def store(self, method, layer: int = 0) -> CpuValueStore:
         """This worker's host store for the method's rows in ``layer``, created on first use
         with the front end's capacity (its pages are allocated lazily up to that bound, pinned
