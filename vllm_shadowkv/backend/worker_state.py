@@ -127,7 +127,9 @@ class WorkerState:
         """Called by each layer's impl as its engine builds the model. The first layer of another
         engine (a second ``LLM`` in this process with VLLM_ENABLE_V1_MULTIPROCESSING=0) starts
         from an empty state: the previous engine's stores (sized by its settings), methods (and
-        the pages they hold), requests and counters must not carry over."""
+        the pages they hold), requests and counters must not carry over. The state is the
+        process's: two plugin engines used in turn in one process are not supported (vLLM's
+        default multiprocessing gives each engine its own worker processes)."""
         if self._config_ref is None or self._config_ref() is not vllm_config:
             self.__dict__.update(WorkerState().__dict__)
             self._config_ref = weakref.ref(vllm_config)
