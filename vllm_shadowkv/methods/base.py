@@ -245,6 +245,10 @@ class KVMethod(ABC):
         """Shape of one row of ``layer``'s host store (the unit a decode step fetches):
         ``LayerContext.store``. Rows of other shapes: ``LayerContext.store_for(shape)``."""
 
+    def store_row_bytes(self, layer: int) -> int:
+        """Bytes of one such row: what ``store_bytes`` counts and a fetch moves."""
+        return math.prod(self.store_row_shape(layer)) * self.shapes.elem_bytes
+
     # -- worker hooks ---------------------------------------------------------------------------
     def prefill_chunk(self, layer: LayerContext, req: RequestRows, query: torch.Tensor,
                       key: torch.Tensor, value: torch.Tensor,

@@ -68,8 +68,7 @@ class ShadowKVMethod(KVMethod):
 
     def store_bytes(self, layer: int, prompt_len: int) -> int:
         rows = self.params.compressed_chunks(prompt_len) * self.shapes.num_kv_heads
-        return paged_bytes(rows, self.settings.chunk_size * self.shapes.head_size
-                           * self.shapes.elem_bytes)
+        return paged_bytes(rows, self.store_row_bytes(layer))
 
     def store_row_shape(self, layer: int) -> tuple[int, ...]:
         return (self.settings.chunk_size, self.shapes.head_size)
@@ -139,7 +138,7 @@ class ShadowKVMethod(KVMethod):
         """Counted on the host: each KV head selects min(its slots, landmarks) chunks; the
         misses came back with the step's one copy to the host."""
         heads = self.shapes.num_kv_heads
-        row_bytes = self.settings.chunk_size * self.shapes.head_size * self.shapes.elem_bytes
+        row_bytes = self.store_row_bytes(layer.index)
         for req, missed in zip(reqs, misses):
             stats, plan = layer.stats(req.req_id), self._plans[req.req_id]
             selected = heads * min(plan.num_slots, plan.num_landmarks)

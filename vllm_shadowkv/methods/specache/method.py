@@ -72,7 +72,7 @@ class SpeCacheMethod(MiniKVMethod):
         if not self.settings.top_k:  # plain KIVI pages: nothing is fetched, nothing stored
             return 0
         return paged_bytes(self.shapes.num_kv_heads * self._fetchable(prompt_len),
-                           2 * self.shapes.head_size * self.shapes.elem_bytes)
+                           self.store_row_bytes(layer))
 
     def store_row_shape(self, layer: int) -> tuple[int, ...]:
         return (2, self.shapes.head_size)  # one token of one KV head: key, value

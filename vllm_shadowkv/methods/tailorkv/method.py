@@ -65,8 +65,8 @@ class TailorKVMethod(MiniKVMethod):
         if self.pages.quantized(layer):
             return 0
         h, d, elem = self.shapes.num_kv_heads, self.shapes.head_size, self.shapes.elem_bytes
-        chunks = -(-prompt_len // CHANNEL_CHUNK)
-        return (paged_bytes(h * prompt_len, 2 * d * elem)
+        chunks = -(-prompt_len // CHANNEL_CHUNK)  # of the channel-major key copy
+        return (paged_bytes(h * prompt_len, self.store_row_bytes(layer))
                 + paged_bytes(h * d * chunks, CHANNEL_CHUNK * elem))
 
     def store_row_shape(self, layer: int) -> tuple[int, ...]:
