@@ -33,18 +33,13 @@ def _wrap(cls) -> None:
     def compile_or_warm_up_model(self):
         result = original(self)
         from vllm_shadowkv.backend.warm_up import warm_up
+        from vllm_shadowkv.plugin import logger
 
         seconds = warm_up(self.model_runner)
         if seconds is not None:
-            _logger().info("shadowkv: decode kernels compiled in %.1f s", seconds)
+            logger.info("shadowkv: decode kernels compiled in %.1f s", seconds)
         return result
 
     compile_or_warm_up_model._shadowkv_original = original
     cls.compile_or_warm_up_model = compile_or_warm_up_model
 
-
-@functools.cache
-def _logger():
-    from vllm.logger import init_logger
-
-    return init_logger("vllm.vllm_shadowkv")

@@ -8,7 +8,6 @@ recomputed from scratch, so its old values are stale).
 
 from __future__ import annotations
 
-import functools
 
 _EXPECTED = ["self", "scheduler_output"]
 
@@ -25,22 +24,16 @@ def apply() -> None:
 
     def _update_states(self, scheduler_output):
         from vllm_shadowkv.backend.worker_state import STATE
+        from vllm_shadowkv.plugin import logger
 
         STATE.attach(self)
         STATE.release(*released_requests(scheduler_output))
         STATE.guesses = guess_rows(self, scheduler_output)
-        STATE.report(_logger())
+        STATE.report(logger)
         return original(self, scheduler_output)
 
     _update_states._shadowkv_original = original
     GPUModelRunner._update_states = _update_states
-
-
-@functools.cache
-def _logger():
-    from vllm.logger import init_logger
-
-    return init_logger("vllm.vllm_shadowkv")
 
 
 def released_requests(scheduler_output) -> tuple[set[str], set[str]]:
