@@ -152,7 +152,7 @@ def test_a_kv_connector_beside_the_host_store_is_refused(tiny_model):
     "settings, message",
     [
         ({"rnak": 64}, "unknown shadowkv setting(s) 'rnak'; allowed: min_sparse_len, value_store_gib"),
-        ({"rank": "64"}, "shadowkv.rank must be an integer, got '64'"),
+        ({"rank": "64"}, "shadowkv.rank must be an integer or null (unset), got '64'"),
         ({"rank": 64.5}, "shadowkv.rank must be an integer"),
         ({"local_window": True}, "shadowkv.local_window must be an integer, got True"),
         ({"sparse_budget": -8}, "shadowkv.sparse_budget must be >= 8, got -8"),
@@ -168,7 +168,7 @@ def test_a_kv_connector_beside_the_host_store_is_refused(tiny_model):
                         "head_dim (64) = 256; allowed: 1..256"),
         ({"rank": None, "chunk_size": 0}, "shadowkv.chunk_size must be >= 1, got 0"),
         ({"min_sparse_len": 0}, "shadowkv.min_sparse_len must be >= 1"),
-        ({"value_store_gib": 0}, "shadowkv.value_store_gib must be > 0"),
+        ({"value_store_gib": 0}, "shadowkv.value_store_gib must be a finite number > 0"),
         ([1, 2], "additional_config.shadowkv must be a JSON object"),
     ],
 )
