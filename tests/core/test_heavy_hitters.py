@@ -41,19 +41,21 @@ def dense_column_sums(q, k, scale):
 CHUNKS = [([97], 64), ([37, 1, 59], 80), ([64, 33], 128)]
 
 
-@pytest.mark.parametrize("impl", ["gemm", "gemm-eager", "tiles", "triton"])
+# Only the Triton kernel uses a handed-over LSE; the tiles compute their rows' own (the C
+# kernel that takes it: test_c_column_sums_from_the_lse_equal_one_pass).
+@pytest.mark.parametrize("impl, given_lse", [("gemm", False), ("gemm-eager", False),
+                                             ("tiles", False), ("triton", False),
+                                             ("triton", True)])
 @pytest.mark.parametrize("gqa", [1, 4, 8])
 @pytest.mark.parametrize("chunks, head_dim", CHUNKS)
-@pytest.mark.parametrize("given_lse", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_chunked_column_sums_equal_one_pass(impl, gqa, chunks, head_dim, given_lse, dtype,
                                             monkeypatch, kernel_device):
     """The CPU's GEMM tiles (compiled, and eager as in "torch" mode), the fp32 tiles and the
     Triton kernel (what CUDA runs; interpreted on the CPU) against the dense map, with the rows'
-    LSE computed inside or handed over from the prefill's exact attention."""
-    if impl in ("gemm", "tiles"):  # (given the LSE of a bf16 chunk, the C kernel takes it)
+    LSE computed inside or, for Triton, handed over from the prefill's exact attention."""
+    if impl in ("gemm", "tiles"):  # not the C kernels (with the LSE; AMX's on bf16)
         monkeypatch.setattr(native, "supports_column_sums_lse", lambda q, k: False)
-    if impl == "gemm":  # the tiles a CPU without AMX runs (with AMX bf16 goes to the C kernel)
         monkeypatch.setattr(native, "supports_column_sums", lambda q, k: False)
     if impl == "tiles":
         monkeypatch.setattr(heavy_hitters, "gemm_column_sums",

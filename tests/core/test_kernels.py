@@ -528,18 +528,26 @@ def test_dispatch_routes_to_kernels(monkeypatch, interpreted):
 
 
 @needs_native
-def test_c_kernels_need_no_cpp_compiler(monkeypatch):
+def test_c_kernels_need_no_cpp_compiler(monkeypatch, tmp_path):
     """A host with a C compiler but no C++ one (inductor's compiled kernels unavailable) still
-    runs the C kernels: they are built by cc."""
-    monkeypatch.setattr(cpu_kernels.shutil, "which", lambda name: None)
+    runs the C kernels: they are built by cc, here into an empty cache."""
+    import shutil
+
+    which = shutil.which
+    monkeypatch.setattr(shutil, "which",
+                        lambda name: None if name in ("g++", "c++") else which(name))
+    monkeypatch.setenv("SHADOWKV_CACHE_DIR", str(tmp_path))
     cpu_kernels.available.cache_clear()
+    native.library.cache_clear()
     try:
         q = torch.randn(1, 1, 4, 64)
         rows = torch.randn(10, 64)
         assert not ops.compiled_cpu(q) and ops.native_cpu(q)
         assert ops.decode_in_place(q, 1, rows)
+        assert list((tmp_path / "native").glob("shadowkv_*.so"))  # built now, by cc
     finally:
         cpu_kernels.available.cache_clear()
+        native.library.cache_clear()
 
 
 @pytest.mark.parametrize("start, n", [(0, 97), (130, 70), (90, 1)])
@@ -579,6 +587,7 @@ def test_paged_causal_attention(seq_len, q_len, group, head_dim, dtype, kernel_d
     if kernel_device.type == "cpu":  # the CPU engine's own path: gathered tokens, flash kernel
         tokens = kv[blocks, slots]
         flash = attention.causal_attention_cpu(q, tokens[:, 0], tokens[:, 1], scale)
+        torch.testing.assert_close(flash[0], want[0], **_tol(dtype))
         torch.testing.assert_close(want[1], flash[1], atol=1e-4, rtol=1e-4)
 
 

@@ -48,6 +48,7 @@ def scratch(layout: PageLayout, index: int, **kwargs) -> ScratchLayer:
 @pytest.mark.parametrize("name,settings", METHODS, ids=lambda v: str(v))
 def test_after_warm_up_decoding_compiles_nothing(name, settings):
     torch._dynamo.reset()  # graphs of other tests would hide the warm-up's own compilations
+    counters.clear()  # (reset keeps the counters)
     layout = make_layout(name, settings)
     first = {}  # the first layer of each kind, as the warm-up takes them
     for index in range(LAYERS):
