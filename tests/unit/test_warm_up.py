@@ -61,7 +61,8 @@ def test_after_warm_up_decoding_compiles_nothing(name, settings):
             assert warm.prompt_lens == [512, 512 + 24]
             warm.run()
         compiled = counters["stats"]["unique_graphs"]
-        assert compiled > 0  # the warm-up compiled the method's kernels
+        if name in ("shadowkv", "minikv"):  # the warm-up compiled the method's kernels
+            assert compiled > 0  # (TailorKV's and SpeCache's CPU steps are C: none to compile)
         for index in layers:  # three other requests, other batch sizes and compositions
             scratch(layout, index, prompt_lens=[700, 1031, 4000],
                     batches=((0, 1, 2), (2,), (0, 2), (1,), (0, 1, 2))).run()
