@@ -69,7 +69,7 @@ def test_triton_kernel_over_quantized_pages_gives_the_torch_tokens(tiny_model, t
              "attention_backend": "minikv", "engine_kwargs": engine,
              "count_host_waits": kernels == "triton"}, path, env=env)
     assert_greedy_close(runs["torch"]["batches"][0], runs["triton"]["batches"][0],
-                        names=("torch", "triton"))
+                        names=("torch", "triton"), logprob_tol=0.02)
     assert_one_host_wait_per_layer(runs["triton"]["host_waits"])
     # MiniKV fetches nothing from a store: its decode never waits for the device.
     assert not [c for c in runs["triton"]["host_waits"] if c["reads"] or c["copies"]]

@@ -83,7 +83,7 @@ def test_a_hit_compresses_the_prompt_as_its_cold_prefill_did(method, tiny_model,
         tmp_path)
     assert test["prefix_cache"]["hits"] >= 2048
     cold, hit = test["batches"]
-    assert_greedy_close(cold, hit, names=("cold", "hit"))
+    assert_greedy_close(cold, hit, names=("cold", "hit"), logprob_tol=0.02)
     assert [s["mode"] for s in test["stats"][1]["finished"].values()] == ["sparse", "sparse"]
 
 
