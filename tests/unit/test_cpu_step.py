@@ -32,12 +32,12 @@ def test_the_struct_mirrors_the_c_one():
     assert names == [name for name, _ in native.SparseStep._fields_]
 
 
-def _run(dtype, layout, prompts, steps):
+def _run(dtype, layout, prompts, steps, rope=None):
     """Decodes a ragged batch (prompt lengths differ, request c takes two query rows a step, b
     finishes after two steps), with the one-call step on unless the caller turned it off.
     -> outputs per request, the pages, the stats and whether the one-call step ran."""
     g = torch.Generator().manual_seed(4)
-    method, rope = layout.method, rope_for()
+    method, rope = layout.method, rope or rope_for()
     h, d, hq = layout.shapes.num_kv_heads, layout.shapes.head_size, 8
     lengths = {r: p + 2 * steps for r, p in prompts.items()}
     needed = {r: layout.blocks_needed(p, lengths[r]) for r, p in prompts.items()}
@@ -106,3 +106,26 @@ def test_one_call_step_equals_the_composed_step(dtype, block_size, ratio, monkey
         assert (a.decode_steps, a.selected, a.hits, a.bytes_fetched) == \
             (b.decode_steps, b.selected, b.hits, b.bytes_fetched)
         assert a.hits < a.selected  # some slots were refilled
+
+
+@pytest.mark.parametrize("rotary_dim, neox", [(32, False), (16, True), (16, False)],
+                         ids=["interleaved", "partial", "partial interleaved"])
+def test_one_call_step_with_other_rotary_embeddings(rotary_dim, neox, monkeypatch):
+    """GPT-J's interleaved pairs and a rotary part narrower than the head (Phi-3 style): the
+    one-call step rebuilds keys with the layer's own RoPE, as the composed step does."""
+    from vllm_shadowkv.core.rope import RopeCache
+
+    inv = 1.0 / (10000 ** (torch.arange(0, rotary_dim, 2).float() / rotary_dim))
+    freqs = torch.outer(torch.arange(4096).float(), inv)
+    rope = RopeCache(torch.cat([freqs.cos(), freqs.sin()], dim=-1), rotary_dim, neox)
+    prompts = {"a": 600, "b": 1000, "c": 777}
+    settings = dataclasses.replace(SETTINGS, rank=64)
+    layout = make_layout(block_size=32, dtype=torch.bfloat16, settings=settings)
+    one = _run(torch.bfloat16, layout, prompts, steps=3, rope=rope)
+    monkeypatch.setattr(ShadowKVMethod, "_cpu_step", lambda *args: None)
+    layout = make_layout(block_size=32, dtype=torch.bfloat16, settings=settings)
+    composed = _run(torch.bfloat16, layout, prompts, steps=3, rope=rope)
+    assert one[3] and not composed[3]
+    for r in prompts:
+        for got, want in zip(one[0][r], composed[0][r], strict=True):
+            assert torch.equal(got, want)
