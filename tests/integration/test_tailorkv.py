@@ -38,6 +38,7 @@ def test_critical_channel_top_k_finds_the_needle_and_beats_sink_and_recent(tmp_p
     assert steps == MAX_TOKENS - 1  # every generated token but the last decoded compressed
     prompt_len = stats["prompt_len"]
     assert stats["selected"] == steps * s_layers * kv_heads * 128  # the slots' rows
+    assert stats["predicted_steps"] == 0  # channel_query "current"
     channel_bytes = kv_heads * 12 * math.ceil(prompt_len / 128) * 128 * 2
     row_bytes = 2 * 128 * 2  # one token of one KV head: key and value, bf16
     fetched_rows = (stats["bytes_fetched"] - steps * s_layers * channel_bytes) // row_bytes
@@ -68,5 +69,6 @@ def test_predicted_channel_query_finds_the_needle(tmp_path):
     errors = {int(layer): f["relative_error"] for layer, f in stats["fidelity"].items()}
     print(f"\nrelative error vs dense per layer, predicted channels: {errors}")
     assert stats["selected"] == (MAX_TOKENS - 1) * 2 * 2 * 128
+    assert stats["predicted_steps"] == (MAX_TOKENS - 1) * 2  # both S-layers, every step
     assert errors[1] < 0.05 and errors[2] < 0.5
     assert tasks.score(sample, tokenizer.decode(result["batches"][0][0]["token_ids"])) == 1.0

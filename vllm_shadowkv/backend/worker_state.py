@@ -76,6 +76,10 @@ class RequestStats:
     # SpeCache's speculative calls whose output row also picked its own top-k and fetched in
     # line what the guess had not (verify_guess), over layers
     verified_steps: int = 0
+    # TailorKV's "predicted" channel query: S-layer decode calls whose channels came from the
+    # previous layer's hidden state (0 where the hook gave nothing and the layer's own query
+    # picked them)
+    predicted_steps: int = 0
     # measure_fidelity only: layer -> [sum of relative errors, sum of chunk recalls, steps]
     fidelity: dict[int, list[float]] = field(default_factory=dict)
 

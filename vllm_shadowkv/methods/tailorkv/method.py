@@ -134,7 +134,11 @@ class TailorKVMethod(MiniKVMethod):
         prompt_len = transfer.to_device_async(torch.tensor(lens, dtype=torch.int32), device)
         q = query[rows]  # [n, Hq, d]
         keys = [(r.req_id, layer.index) for r in reqs]
-        channels = critical_channels(self._channel_query(layer, rows, q),
+        channel_query = self._channel_query(layer, rows, q)
+        if channel_query is not q:
+            for req in reqs:
+                layer.stats(req.req_id).predicted_steps += 1
+        channels = critical_channels(channel_query,
                                      torch.stack([self._absmax[key] for key in keys]),
                                      s.critical_channels)
         if ops.reads_channels_in_place(q, layer.store_for((CHANNEL_CHUNK,)).pool):
