@@ -35,7 +35,7 @@ def apply() -> None:
 
     def _emit_block_removed_events(self, block_hashes):  # every eviction of a cached page
         if not self.enable_kv_cache_events:
-            return None  # (vLLM's own first line: nothing to translate)
+            return  # (vLLM's own first line: nothing to translate)
         from vllm_shadowkv.backend.kv_spec import page_block
 
         named = []

