@@ -8,7 +8,6 @@ recomputed from scratch, so its old values are stale).
 
 from __future__ import annotations
 
-
 _EXPECTED = ["self", "scheduler_output"]
 
 

@@ -80,9 +80,10 @@ def _typed(key: str, name: str, value: Any, hint) -> Any:
     # Settings that take words declare them (typing.Literal): a wrong type names them too.
     words = [w for t in allowed if typing.get_origin(t) is typing.Literal
              for w in typing.get_args(t)]
+    takes_list = any(typing.get_origin(t) is tuple for t in allowed)
     if value is None and type(None) in allowed:
         return None
-    if isinstance(value, (list, tuple)) and any(typing.get_origin(t) is tuple for t in allowed):
+    if isinstance(value, (list, tuple)) and takes_list:
         return tuple(value)  # a list setting (TailorKV's q_layers): check() sees the items
     if isinstance(value, str) and value in words:
         return value
@@ -93,7 +94,7 @@ def _typed(key: str, name: str, value: Any, hint) -> Any:
     kinds = [_KINDS[want] for want in wants]
     if words:
         kinds.append(f"one of {', '.join(map(repr, words))}")
-    if any(typing.get_origin(t) is tuple for t in allowed):
+    if takes_list:
         kinds.insert(0, "a list")
     if type(None) in allowed:
         kinds.append("null (unset)")

@@ -1,5 +1,13 @@
 """Per-worker engine state without an engine."""
 
+from types import SimpleNamespace
+
+
+def engine_facts(store_bytes: int, rank: int = 0) -> SimpleNamespace:
+    """What the state reads of ``EngineFacts``: the method, the store size, the engine's rank."""
+    return SimpleNamespace(stamp=SimpleNamespace(method="shadowkv", store_bytes=store_bytes),
+                           data_parallel_rank=rank)
+
 
 def test_rows_before_the_first_step_are_dummies():
     """Memory profiling and warm-up build metadata before any request was scheduled."""
@@ -26,7 +34,6 @@ def test_snapshot_file_at_once_on_lifecycle_and_throttled_while_counters_grow(tm
     """A request's start and finish are written at once; the counters of running requests,
     which grow every decode step, at most every WRITE_EVERY_S."""
     import json
-    from types import SimpleNamespace
     from unittest.mock import Mock
 
     from vllm_shadowkv.backend import worker_state
@@ -36,8 +43,7 @@ def test_snapshot_file_at_once_on_lifecycle_and_throttled_while_counters_grow(tm
     clock = [100.0]
     monkeypatch.setattr(worker_state.time, "monotonic", lambda: clock[0])
     state = WorkerState()
-    state.engine = SimpleNamespace(stamp=SimpleNamespace(method="shadowkv", store_bytes=1 << 30),
-                                   data_parallel_rank=0)
+    state.engine = engine_facts(1 << 30)
 
     def written():
         (path,) = tmp_path.glob("worker-*.json")
@@ -64,15 +70,13 @@ def test_snapshot_file_at_once_on_lifecycle_and_throttled_while_counters_grow(tm
 def test_a_stats_directory_that_cannot_be_written_never_fails_a_step(tmp_path, monkeypatch):
     """A Ray worker on another node gets the front end's directory path (created there only): it
     creates it; where it cannot be written at all, the metrics are off for the worker, said once."""
-    from types import SimpleNamespace
     from unittest.mock import Mock
 
     from vllm_shadowkv.backend.worker_state import STATS_DIR_ENV, RequestStats, WorkerState
 
     def worker():
         state = WorkerState()
-        state.engine = SimpleNamespace(stamp=SimpleNamespace(method="shadowkv", store_bytes=1),
-                                       data_parallel_rank=0)
+        state.engine = engine_facts(1)
         state.requests["a"] = RequestStats(mode="sparse")
         return state
 
@@ -94,13 +98,11 @@ def test_a_stats_directory_that_cannot_be_written_never_fails_a_step(tmp_path, m
 def test_a_preempted_request_is_counted_once_with_all_its_traffic():
     """Preempted (its rows freed, recomputed later) is not finished: the stats wait for the
     request to run again and are counted when it finishes or is aborted."""
-    from types import SimpleNamespace
 
     from vllm_shadowkv.backend.worker_state import WorkerState
 
     state = WorkerState()
-    state.engine = SimpleNamespace(stamp=SimpleNamespace(method="shadowkv", store_bytes=1 << 30),
-                                   data_parallel_rank=1)
+    state.engine = engine_facts(1 << 30, rank=1)
     state.request("a", 2048, sparse=True).selected = 10
     state.request("b", 2048, sparse=True).selected = 5
     state.release(ended=(), suspended=["a", "b"])
@@ -121,15 +123,10 @@ def test_another_engine_in_the_process_starts_from_an_empty_state():
     """A second engine in one process (VLLM_ENABLE_V1_MULTIPROCESSING=0) must not inherit the
     first's host store (sized by the first's settings), methods, requests or counters; the
     layers of one engine share its state."""
-    from types import SimpleNamespace
 
     import torch
 
     from vllm_shadowkv.backend.worker_state import RequestStats, WorkerState
-
-    def facts(store_bytes):
-        return SimpleNamespace(stamp=SimpleNamespace(method="shadowkv", store_bytes=store_bytes),
-                               data_parallel_rank=0)
 
     class Config:  # stands in for VllmConfig: the state keeps a weak reference to it
         pass
@@ -138,15 +135,15 @@ def test_another_engine_in_the_process_starts_from_an_empty_state():
         __hash__ = object.__hash__
 
     state, first, second = WorkerState(), Config(), Config()
-    state.begin_engine(facts(1 << 20), first)
+    state.begin_engine(engine_facts(1 << 20), first)
     state.store_for((2, 8), torch.float32)
     state.methods.add(Method(release=lambda req_id: None))
     state.requests["0"] = RequestStats(mode="sparse")
     state.release(["0"])
-    state.begin_engine(facts(1 << 20), first)  # the engine's next layer
+    state.begin_engine(engine_facts(1 << 20), first)  # the engine's next layer
     assert state._stores and state.methods and state.totals["finished_sparse"] == 1
 
-    state.begin_engine(facts(1 << 19), second)
+    state.begin_engine(engine_facts(1 << 19), second)
     assert not state._stores and not state.methods and not state.totals
     assert not state.finished and state.runner_ref is None
     assert state.store_for((2, 8), torch.float32).capacity_bytes == 1 << 19
@@ -157,7 +154,6 @@ def test_an_engine_of_another_backend_drops_the_plugins_state():
     """A runner whose config has no method stamp (another backend's engine after a plugin one,
     in one process) must not keep the earlier engine's store allocated or its counters
     reported; a plugin engine's runner keeps its state."""
-    from types import SimpleNamespace
 
     import torch
 
@@ -169,8 +165,7 @@ def test_an_engine_of_another_backend_drops_the_plugins_state():
         pass
 
     state = WorkerState()
-    state.engine = SimpleNamespace(stamp=SimpleNamespace(method="shadowkv", store_bytes=1 << 20),
-                                   data_parallel_rank=0)
+    state.engine = engine_facts(1 << 20)
     state.store_for((2, 8), torch.float32)
     state.requests["0"] = RequestStats(mode="sparse")
     stamp = Stamp("shadowkv", ShadowKVSettings(), 1 << 20).to_json()

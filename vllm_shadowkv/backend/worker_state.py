@@ -135,7 +135,7 @@ class WorkerState:
         process's: two plugin engines used in turn in one process are not supported (vLLM's
         default multiprocessing gives each engine its own worker processes)."""
         if self._config_ref is None or self._config_ref() is not vllm_config:
-            self.__dict__.update(WorkerState().__dict__)
+            self._reset()
             self._config_ref = weakref.ref(vllm_config)
         self.engine = facts
 
@@ -146,8 +146,12 @@ class WorkerState:
         stay allocated and its counters reported."""
         if self.runner_ref is None or self.runner_ref() is not runner:
             if self.engine is not None and stamp_of(runner.vllm_config) is None:
-                self.__dict__.update(WorkerState().__dict__)
+                self._reset()
         self.runner_ref = weakref.ref(runner)
+
+    def _reset(self) -> None:
+        """Every field back to its default, in place (the backend imports this object)."""
+        self.__dict__.update(WorkerState().__dict__)
 
     def store(self, method, layer: int = 0) -> CpuValueStore:
         """This worker's host store for the method's rows in ``layer``, created on first use
